@@ -1,0 +1,168 @@
+"""A small, reusable idempotent consumer on confluent-kafka and psycopg.
+
+For every message: decode (poison -> ``<topic>.dlq`` with the reason in headers, then move on);
+open ONE Postgres transaction; insert ``(consumer_group, dedup_key, event_type)`` into
+``processed_event``; if the row already existed the event is a duplicate (redelivery or
+re-publication) and the handler is not called; else run ``handler(conn, event)`` in that same
+transaction; commit; only then store the Kafka offset (``enable.auto.offset.store=false``; the
+stored offsets are auto-committed). A crash anywhere before the commit redoes everything; a
+crash after it finds the row. That is "delivered at-least-once, applied exactly once".
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from confluent_kafka import Consumer, KafkaError, Message, Producer
+
+from jobstream import faults
+from jobstream.db import QUERIES as Q
+from jobstream.db import connect
+from jobstream.errors import PoisonMessage
+from jobstream.kafka import consumer_config, producer_config
+from jobstream.settings import Settings
+from schemas.events import decode_event
+
+log = logging.getLogger("jobstream.consumer")
+
+Handler = Callable[[psycopg.Connection, Any], None]
+
+
+@dataclass
+class ConsumerStats:
+    """Counters: applied (handler ran), duplicates (skipped), dead_lettered."""
+
+    applied: int = 0
+    duplicates: int = 0
+    dead_lettered: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+
+
+class IdempotentConsumer:
+    """Consume ``topics`` in consumer group ``group`` and apply ``handler`` exactly once per
+    ``(group, dedup_key, event_type)``.
+
+    ``event_types``: the types accepted (others are dead-lettered). The handler gets the open
+    connection (inside the transaction) and the decoded event; it must not commit. If it raises
+    :class:`PoisonMessage` the message is dead-lettered; any other exception rolls back and the
+    message is retried after a backoff (nothing is lost, the partition waits).
+    """
+
+    def __init__(self, settings: Settings, *, group: str, topics: list[str],
+                 event_types: tuple[str, ...], handler: Handler) -> None:
+        self.settings = settings
+        self.group = group
+        self.topics = topics
+        self.event_types = event_types
+        self.handler = handler
+        self.stats = ConsumerStats()
+        self._stop = threading.Event()
+        self._consumer = Consumer(consumer_config(settings, group))
+        self._dlq = Producer(producer_config(settings, **{"client.id": f"{group}-dlq"}))
+        self._conn: psycopg.Connection | None = None
+
+    def stop(self, *_: Any) -> None:
+        """Ask the loop to return after the current message."""
+        self._stop.set()
+
+    def _db(self) -> psycopg.Connection:
+        if self._conn is None or self._conn.closed:
+            self._conn = connect(self.settings.database_url)
+        return self._conn
+
+    def _dead_letter(self, msg: Message, code: str, reason: str) -> None:
+        headers = [("dlq_reason_code", code.encode()), ("dlq_reason", reason[:2000].encode()),
+                   ("dlq_original_topic", (msg.topic() or "").encode()),
+                   ("dlq_original_partition", str(msg.partition()).encode()),
+                   ("dlq_original_offset", str(msg.offset()).encode())]
+        self._dlq.produce(f"{msg.topic()}.dlq", value=msg.value(), key=msg.key(),
+                          headers=headers)
+        if self._dlq.flush(30):
+            raise RuntimeError("dead-letter message not delivered within 30 s")
+        self.stats.dead_lettered += 1
+        log.warning("dead-lettered %s[%d]@%d: %s: %s", msg.topic(), msg.partition(),
+                    msg.offset(), code, reason)
+
+    def process(self, msg: Message) -> str:
+        """Handle one message; returns ``applied``, ``duplicate`` or ``dead_lettered``.
+
+        Raises ``psycopg.Error`` (or the handler's error) after rolling back: the caller must
+        not store the offset and retries the message.
+        """
+        try:
+            event = decode_event(msg.value(), expected=self.event_types)
+        except PoisonMessage as exc:
+            self._dead_letter(msg, exc.code, str(exc))
+            return "dead_lettered"
+        conn = self._db()
+        try:
+            with conn.transaction():
+                row = conn.execute(Q["record_processed"], (
+                    self.group, event.dedup_key, event.event_type, event.event_id,
+                    event.job_id)).fetchone()
+                if row is None:
+                    self.stats.duplicates += 1
+                    return "duplicate"
+                self.handler(conn, event)
+        except PoisonMessage as exc:
+            self._dead_letter(msg, exc.code, str(exc))
+            return "dead_lettered"
+        self.stats.applied += 1
+        return "applied"
+
+    def run(self, *, idle_exit_s: float | None = None) -> ConsumerStats:
+        """Consume until stopped (or, with ``idle_exit_s``, until idle that long)."""
+        self._consumer.subscribe(self.topics)
+        last_msg = time.monotonic()
+        backoff = 0.5
+        try:
+            while not self._stop.is_set():
+                msg = self._consumer.poll(0.5)
+                if msg is None:
+                    if idle_exit_s is not None and time.monotonic() - last_msg > idle_exit_s:
+                        break
+                    continue
+                if msg.error():
+                    if msg.error().code() != KafkaError._PARTITION_EOF:
+                        log.warning("consumer error: %s", msg.error())
+                    continue
+                last_msg = time.monotonic()
+                while not self._stop.is_set():
+                    try:
+                        outcome = self.process(msg)
+                        break
+                    except Exception as exc:  # rolled back: retry, never skip the message
+                        log.warning("processing failed (%s: %s); retrying in %.1fs",
+                                    type(exc).__name__, exc, backoff)
+                        if isinstance(exc, psycopg.OperationalError) and self._conn is not None:
+                            self._conn.close()
+                            self._conn = None
+                        self._stop.wait(backoff)
+                        backoff = min(backoff * 2, 10.0)
+                else:
+                    break  # stopping: the offset of the unprocessed message is not stored
+                backoff = 0.5
+                log.debug("%s %s[%d]@%d", outcome, msg.topic(), msg.partition(), msg.offset())
+                faults.point("consumer_after_apply_before_offset")
+                self._consumer.store_offsets(message=msg)
+        finally:
+            self._consumer.close()  # commits the stored offsets
+            if self._conn is not None:
+                self._conn.close()
+        return self.stats
+
+
+def run_forever(consumer: IdempotentConsumer) -> int:
+    """Run ``consumer`` until SIGINT/SIGTERM; returns the exit code."""
+    signal.signal(signal.SIGTERM, consumer.stop)
+    signal.signal(signal.SIGINT, consumer.stop)
+    stats = consumer.run()
+    log.info("consumer stopped: %s", stats)
+    return 0

@@ -1,0 +1,37 @@
+"""Fault-injection points for crash tests: the process SIGKILLs itself at a named point.
+
+Armed by ``JOBSTREAM_FAULT=<point>[,<point>…]`` (optionally ``<point>@N`` to fire on the N-th
+hit); with the variable unset every call is a no-op. SIGKILL, not an exception: nothing gets a
+chance to clean up, exactly like ``kill -9`` or an OOM kill.
+
+Points: ``llm_after_provider_before_checkpoint``, ``stage_after_commit_before_offset``,
+``relay_after_produce_before_mark``, ``consumer_after_apply_before_offset``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections import Counter
+
+POINTS = (
+    "llm_after_provider_before_checkpoint",
+    "stage_after_commit_before_offset",
+    "relay_after_produce_before_mark",
+    "consumer_after_apply_before_offset",
+)
+_hits: Counter[str] = Counter()
+
+
+def point(name: str) -> None:
+    """SIGKILL this process if ``name`` is armed (and this is its N-th hit); else return."""
+    spec = os.environ.get("JOBSTREAM_FAULT")
+    if not spec:
+        return
+    _hits[name] += 1
+    for item in spec.split(","):
+        armed, _, nth = item.strip().partition("@")
+        if armed == name and _hits[name] == int(nth or 1):
+            print(f"[fault] {name}: SIGKILL pid {os.getpid()}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,82 @@
+"""Kafka plumbing shared by the relay, the consumers and the CLI: client configs and topics.
+
+Topic names are logical names plus ``Settings.topic_prefix``. Every consumed topic has a
+``<topic>.dlq`` twin; ``.retry`` topics arrive with the retry work.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from jobstream.settings import Settings
+
+#: Logical topics of the pipeline, in flow order.
+PIPELINE_TOPICS = ("document.uploaded", "job.accepted", "job.text_extracted", "job.chunks_ready",
+                   "job.llm_done", "job.validated", "job.ready", "job.failed")
+#: Topics something consumes, hence with a dead-letter twin.
+CONSUMED_TOPICS = ("document.uploaded", "job.accepted", "job.text_extracted", "job.chunks_ready",
+                   "job.llm_done", "job.validated", "job.ready")
+
+
+def all_topics(settings: Settings) -> list[str]:
+    """Every topic jobstream uses (pipeline topics and their ``.dlq`` twins), prefixed."""
+    names = list(PIPELINE_TOPICS) + [f"{t}.dlq" for t in CONSUMED_TOPICS]
+    return [settings.topic(n) for n in names]
+
+
+def base_config(settings: Settings) -> dict[str, Any]:
+    """librdkafka settings common to every client (bootstrap + pass-through extras)."""
+    return {"bootstrap.servers": settings.kafka_bootstrap_servers, **settings.kafka_extra}
+
+
+def producer_config(settings: Settings, **extra: Any) -> dict[str, Any]:
+    """An idempotent producer: ``enable.idempotence=true`` and ``acks=all`` (design.md)."""
+    return {**base_config(settings), "enable.idempotence": True, "acks": "all",
+            "linger.ms": 5, "compression.type": "lz4", **extra}
+
+
+def consumer_config(settings: Settings, group: str, **extra: Any) -> dict[str, Any]:
+    """An at-least-once consumer: offsets are stored by hand after the effect's transaction
+    commits (``enable.auto.offset.store=false``) and auto-committed from that store."""
+    return {**base_config(settings), "group.id": group, "enable.auto.commit": True,
+            "auto.commit.interval.ms": 1000, "enable.auto.offset.store": False,
+            "auto.offset.reset": "earliest", "isolation.level": "read_committed",
+            "session.timeout.ms": settings.consumer_session_timeout_ms,
+            "heartbeat.interval.ms": max(500, settings.consumer_session_timeout_ms // 5),
+            **extra}
+
+
+def ensure_topics(settings: Settings, timeout_s: float = 30.0) -> list[str]:
+    """Create missing topics (partitions and replication from settings); returns those created.
+
+    Raises ``KafkaException`` when the broker refuses or does not answer within ``timeout_s``.
+    """
+    admin = AdminClient(base_config(settings))
+    existing = set(admin.list_topics(timeout=timeout_s).topics)
+    wanted = [t for t in all_topics(settings) if t not in existing]
+    if not wanted:
+        return []
+    futures = admin.create_topics(
+        [NewTopic(t, num_partitions=settings.topic_partitions,
+                  replication_factor=settings.topic_replication) for t in wanted],
+        operation_timeout=timeout_s)
+    created = []
+    for name, fut in futures.items():
+        try:
+            fut.result(timeout=timeout_s)
+            created.append(name)
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                raise
+    # Metadata propagates asynchronously; wait until every topic is visible with leaders.
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        md = admin.list_topics(timeout=timeout_s).topics
+        if all(t in md and md[t].error is None and md[t].partitions for t in wanted):
+            break
+        time.sleep(0.2)
+    return created

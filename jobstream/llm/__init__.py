@@ -1,0 +1,1 @@
+"""The LLM provider side: model profiles, the OpenAI-compatible httpx client, the local model."""

@@ -1,0 +1,97 @@
+"""One settings object for every jobstream process.
+
+Every field is bound to an environment variable ``JOBSTREAM_<FIELD>`` (pydantic-settings); the
+two connection settings also accept the conventional ``DATABASE_URL`` and
+``KAFKA_BOOTSTRAP_SERVERS``. librdkafka options pass through as a dotted-key dict in
+``JOBSTREAM_KAFKA_EXTRA`` (JSON), e.g. ``{"socket.keepalive.enable": true}``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+#: Where ``scripts/services.sh`` starts the project-local services.
+DEFAULT_DATABASE_URL = "postgresql://jobstream:jobstream@127.0.0.1:55432/jobstream"
+DEFAULT_KAFKA = "127.0.0.1:9092"
+
+
+class Settings(BaseSettings):
+    """Typed configuration; see the field descriptions (units are in the names)."""
+
+    model_config = SettingsConfigDict(env_prefix="JOBSTREAM_", extra="ignore")
+
+    database_url: str = Field(
+        DEFAULT_DATABASE_URL,
+        validation_alias=AliasChoices("JOBSTREAM_DATABASE_URL", "DATABASE_URL"),
+        description="libpq URL of the job store.",
+    )
+    kafka_bootstrap_servers: str = Field(
+        DEFAULT_KAFKA,
+        validation_alias=AliasChoices(
+            "JOBSTREAM_KAFKA_BOOTSTRAP_SERVERS", "KAFKA_BOOTSTRAP_SERVERS"
+        ),
+        description="Comma-separated host:port list of Kafka brokers.",
+    )
+    kafka_extra: dict[str, Any] = Field(
+        default_factory=dict, description="librdkafka options passed through verbatim."
+    )
+    topic_prefix: str = Field(
+        "", description="Prefix for every topic and consumer group (isolates tests/tenants)."
+    )
+    topic_partitions: int = Field(3, ge=1, description="Partitions per pipeline topic.")
+    topic_replication: int = Field(1, ge=1, description="Replication factor of created topics.")
+    consumer_session_timeout_ms: int = Field(
+        10_000, ge=1000, description="Kafka consumer session timeout (milliseconds)."
+    )
+
+    model_profile: str = Field("local", description="Default model profile for new jobs.")
+    pipeline: str = Field("document-analysis", description="Default pipeline name.")
+    prompt_version: str = Field("analysis-v1", description="Default prompt version.")
+    provider_base_url: str | None = Field(
+        None, description="Override the profile's OpenAI-compatible base URL (…/v1)."
+    )
+    provider_api_key: str | None = Field(None, description="Bearer key for the provider.")
+    provider_timeout_s: float = Field(60.0, gt=0, description="Per-request timeout (seconds).")
+    provider_max_attempts: int = Field(5, ge=1, description="Attempts per provider call.")
+    provider_backoff_base_s: float = Field(0.5, ge=0, description="Backoff base (seconds).")
+    provider_backoff_cap_s: float = Field(30.0, ge=0, description="Backoff cap (seconds).")
+
+    charge_per_job_usd: float = Field(
+        0.01, ge=0, description="What a client is charged per accepted job (USD)."
+    )
+    chunk_size_chars: int = Field(4000, ge=200, description="Target chunk size (characters).")
+    lease_s: float = Field(120.0, gt=0, description="Stage lease length (seconds).")
+    max_inline_document_bytes: int = Field(
+        5 * 1024 * 1024, ge=1, description="Largest document accepted inline (bytes)."
+    )
+
+    relay_batch_size: int = Field(500, ge=1, description="Outbox rows per relay batch.")
+    relay_poll_interval_s: float = Field(
+        1.0, gt=0, description="Relay polling fallback when no NOTIFY arrives (seconds)."
+    )
+    outbox_retention_s: float = Field(
+        7 * 24 * 3600.0, ge=0, description="Published outbox rows are deleted after (seconds)."
+    )
+
+    fault: str | None = Field(
+        None,
+        description="Fault-injection point at which the process SIGKILLs itself (tests only).",
+    )
+
+    def topic(self, name: str) -> str:
+        """Full topic name for a logical topic ``name`` (adds :attr:`topic_prefix`)."""
+        return f"{self.topic_prefix}{name}"
+
+    def group(self, name: str) -> str:
+        """Full consumer-group id for a logical group ``name``."""
+        return f"{self.topic_prefix}{name}"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read once from the environment."""
+    return Settings()

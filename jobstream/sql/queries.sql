@@ -1,0 +1,232 @@
+-- Every SQL statement of jobstream, one named query each (parsed by jobstream/db.py).
+
+-- name: migrate_lock
+SELECT pg_advisory_xact_lock(%s);
+
+-- name: create_migration_table
+CREATE TABLE IF NOT EXISTS schema_migration (
+    version integer PRIMARY KEY,
+    name text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
+
+-- name: applied_migrations
+SELECT version FROM schema_migration ORDER BY version;
+
+-- name: record_migration
+INSERT INTO schema_migration (version, name) VALUES (%s, %s);
+
+-- ---------------------------------------------------------------- intake
+
+-- name: find_request
+-- The idempotency record of one client intent.
+SELECT r.job_id, r.request_hash, j.status
+  FROM job_request r JOIN job j USING (job_id)
+ WHERE r.tenant_id = %s AND r.idempotency_key = %s;
+
+-- name: insert_document
+INSERT INTO document (tenant_id, sha256, content_type, size_bytes, content)
+VALUES (%s, %s, %s, %s, %s)
+ON CONFLICT (tenant_id, sha256) DO NOTHING;
+
+-- name: insert_job
+-- One job per (tenant, dedup_key): a second intent for the same computation gets nothing back.
+INSERT INTO job (job_id, tenant_id, idempotency_key, request_hash, dedup_key, request_id,
+                 document_sha256, filename, content_type, pipeline, prompt_version,
+                 model_profile, lane)
+VALUES (%(job_id)s, %(tenant_id)s, %(idempotency_key)s, %(request_hash)s, %(dedup_key)s,
+        %(request_id)s, %(document_sha256)s, %(filename)s, %(content_type)s, %(pipeline)s,
+        %(prompt_version)s, %(model_profile)s, %(lane)s)
+ON CONFLICT (tenant_id, dedup_key) DO NOTHING
+RETURNING job_id;
+
+-- name: job_by_dedup_key
+SELECT job_id, status FROM job WHERE tenant_id = %s AND dedup_key = %s;
+
+-- name: insert_request
+INSERT INTO job_request (tenant_id, idempotency_key, request_hash, job_id, request_id)
+VALUES (%s, %s, %s, %s, %s);
+
+-- name: insert_done_stage
+-- The intake checkpoint: the "uploaded" stage is done when the job exists.
+INSERT INTO job_stage (job_id, stage, status, attempt, input_hash, code_version, output,
+                       started_at, finished_at)
+VALUES (%s, %s, 'succeeded', 1, %s, %s, %s, now(), now());
+
+-- ---------------------------------------------------------------- stages
+
+-- name: get_job
+SELECT * FROM job WHERE job_id = %s;
+
+-- name: get_job_for_update
+SELECT * FROM job WHERE job_id = %s FOR UPDATE;
+
+-- name: get_stage
+SELECT * FROM job_stage WHERE job_id = %s AND stage = %s;
+
+-- name: claim_stage
+-- Claim a stage: a fresh run token (fencing token) and lease. Succeeds only when the stage is
+-- new, pending, or running under an expired lease (a crashed or stuck run).
+INSERT INTO job_stage (job_id, stage, status, attempt, run_token, lease_until, started_at)
+VALUES (%(job_id)s, %(stage)s, 'running', 1, %(run_token)s,
+        now() + make_interval(secs => %(lease_s)s), now())
+ON CONFLICT (job_id, stage) DO UPDATE
+   SET status = 'running', attempt = job_stage.attempt + 1, run_token = EXCLUDED.run_token,
+       lease_until = EXCLUDED.lease_until, started_at = now(), updated_at = now(),
+       error_code = NULL, error = NULL
+ WHERE job_stage.status = 'pending'
+    OR (job_stage.status = 'running' AND job_stage.lease_until < now())
+RETURNING attempt, run_token, lease_until;
+
+-- name: renew_lease
+UPDATE job_stage SET lease_until = now() + make_interval(secs => %s), updated_at = now()
+ WHERE job_id = %s AND stage = %s AND run_token = %s AND status = 'running'
+RETURNING lease_until;
+
+-- name: complete_stage
+-- Fenced completion: zero rows means a newer run owns the stage; its caller rolls back.
+UPDATE job_stage
+   SET status = 'succeeded', output = %(output)s, input_hash = %(input_hash)s,
+       code_version = %(code_version)s, cost_usd = %(cost_usd)s, lease_until = NULL,
+       finished_at = now(), updated_at = now()
+ WHERE job_id = %(job_id)s AND stage = %(stage)s AND run_token = %(run_token)s
+   AND status = 'running';
+
+-- name: fail_stage
+UPDATE job_stage
+   SET status = 'failed', error_code = %(error_code)s, error = %(error)s, lease_until = NULL,
+       finished_at = now(), updated_at = now()
+ WHERE job_id = %(job_id)s AND stage = %(stage)s AND run_token = %(run_token)s
+   AND status = 'running';
+
+-- name: advance_job
+UPDATE job SET status = 'running', current_stage = %s, cost_usd = cost_usd + %s,
+               updated_at = now()
+ WHERE job_id = %s;
+
+-- name: succeed_job
+UPDATE job SET status = 'succeeded', current_stage = 'published', charge_usd = %s,
+               finished_at = now(), updated_at = now()
+ WHERE job_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled');
+
+-- name: fail_job
+UPDATE job SET status = 'failed', error_code = %s, error = %s, finished_at = now(),
+               updated_at = now()
+ WHERE job_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled');
+
+-- name: cancel_job
+UPDATE job SET status = 'cancelled', error_code = 'cancelled_by_user', finished_at = now(),
+               updated_at = now()
+ WHERE job_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled');
+
+-- name: get_document
+SELECT content, content_type FROM document WHERE tenant_id = %s AND sha256 = %s;
+
+-- name: insert_chunk
+INSERT INTO chunk (job_id, idx, char_start, char_end, text, text_sha256)
+VALUES (%s, %s, %s, %s, %s, %s);
+
+-- name: delete_chunks
+DELETE FROM chunk WHERE job_id = %s;
+
+-- name: list_chunks
+SELECT idx, text, text_sha256, llm_output FROM chunk WHERE job_id = %s ORDER BY idx;
+
+-- name: save_chunk_output
+-- Fenced: the chunk's model output is kept only while this run still owns the LLM stage.
+UPDATE chunk c SET llm_output = %(output)s, llm_attempt_id = %(attempt_id)s
+ WHERE c.job_id = %(job_id)s AND c.idx = %(idx)s AND c.llm_output IS NULL
+   AND EXISTS (SELECT 1 FROM job_stage s
+                WHERE s.job_id = c.job_id AND s.stage = 'llm_done'
+                  AND s.run_token = %(run_token)s AND s.status = 'running');
+
+-- name: start_provider_attempt
+-- Written (and committed) before the request is sent: a crash mid-call leaves 'started'.
+INSERT INTO provider_attempt (job_id, stage, chunk_idx, attempt, run_token, model_profile, model)
+VALUES (%s, %s, %s, %s, %s, %s, %s)
+RETURNING attempt_id;
+
+-- name: finish_provider_attempt
+UPDATE provider_attempt
+   SET outcome = %(outcome)s, status_code = %(status_code)s, latency_ms = %(latency_ms)s,
+       prompt_tokens = %(prompt_tokens)s, completion_tokens = %(completion_tokens)s,
+       cost_usd = %(cost_usd)s, error = %(error)s, finished_at = now()
+ WHERE attempt_id = %(attempt_id)s;
+
+-- name: count_provider_attempts
+SELECT count(*) AS n FROM provider_attempt WHERE job_id = %s AND stage = %s AND chunk_idx = %s;
+
+-- ---------------------------------------------------------------- idempotent consumer
+
+-- name: record_processed
+-- The idempotent-consumer row, in the same transaction as the effect. No row back = duplicate.
+INSERT INTO processed_event (consumer_group, dedup_key, event_type, event_id, job_id)
+VALUES (%s, %s, %s, %s, %s)
+ON CONFLICT (consumer_group, dedup_key, event_type) DO NOTHING
+RETURNING 1 AS inserted;
+
+-- name: is_processed
+SELECT 1 FROM processed_event WHERE consumer_group = %s AND dedup_key = %s AND event_type = %s;
+
+-- ---------------------------------------------------------------- outbox
+
+-- name: outbox_insert
+INSERT INTO outbox (topic, kafka_key, payload, headers, event_id, event_type)
+VALUES (%s, %s, %s, %s, %s, %s);
+
+-- name: outbox_fetch
+-- Unpublished rows in id order. Rows are marked, never skipped by a high-water mark, so a
+-- transaction that committed late (a lower id seen after a higher one) is published next poll.
+SELECT id, topic, kafka_key, payload, headers FROM outbox
+ WHERE published_at IS NULL ORDER BY id LIMIT %s;
+
+-- name: outbox_mark_published
+UPDATE outbox SET published_at = now() WHERE id = ANY(%s);
+
+-- name: outbox_delete_published
+DELETE FROM outbox WHERE published_at IS NOT NULL
+   AND published_at < now() - make_interval(secs => %s);
+
+-- name: relay_try_lock
+-- One active relay (others stand by): a session-level advisory lock held while relaying.
+SELECT pg_try_advisory_lock(%s) AS locked;
+
+-- name: outbox_backlog
+SELECT count(*) AS n, coalesce(extract(epoch FROM now() - min(created_at)), 0) AS oldest_s
+  FROM outbox WHERE published_at IS NULL;
+
+-- ---------------------------------------------------------------- reporting
+
+-- name: jobs_of_tenant
+SELECT j.job_id, j.filename, j.status, j.current_stage, j.cost_usd, j.charge_usd, j.dedup_key,
+       j.error_code, j.error,
+       (SELECT count(*) FROM job_stage s WHERE s.job_id = j.job_id AND s.status = 'succeeded')
+           AS stages_done,
+       (SELECT count(*) FROM provider_attempt a WHERE a.job_id = j.job_id) AS provider_calls,
+       (SELECT count(*) FROM chunk c WHERE c.job_id = j.job_id) AS chunks
+  FROM job j WHERE j.tenant_id = %s ORDER BY j.created_at, j.filename;
+
+-- name: requests_of_tenant
+SELECT r.idempotency_key, r.job_id FROM job_request r WHERE r.tenant_id = %s;
+
+-- name: applied_counts
+-- How often the example downstream applied each dedup_key of a tenant (must be exactly 1).
+SELECT j.dedup_key,
+       (SELECT count(*) FROM downstream.document_analysis a
+         WHERE a.tenant_id = j.tenant_id AND a.dedup_key = j.dedup_key) AS analyses,
+       (SELECT count(*) FROM downstream.ledger_charge l
+         WHERE l.tenant_id = j.tenant_id AND l.dedup_key = j.dedup_key) AS charges
+  FROM job j WHERE j.tenant_id = %s AND j.status = 'succeeded';
+
+-- name: apply_analysis
+INSERT INTO downstream.document_analysis
+       (tenant_id, dedup_key, job_id, filename, title, summary, keywords, fields)
+VALUES (%s, %s, %s, %s, %s, %s, %s, %s);
+
+-- name: apply_charge
+INSERT INTO downstream.ledger_charge (tenant_id, dedup_key, job_id, amount_usd)
+VALUES (%s, %s, %s, %s);
+
+-- name: stage_provider_cost
+SELECT coalesce(sum(cost_usd), 0)::float8 AS cost_usd, count(*) AS calls
+  FROM provider_attempt WHERE job_id = %s AND stage = %s;

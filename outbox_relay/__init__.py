@@ -1,0 +1,1 @@
+"""The outbox relay: publishes committed outbox rows to Kafka (``jobstream relay``)."""

@@ -1,0 +1,166 @@
+"""Outbox relay: Postgres ``outbox`` -> Kafka, at-least-once, per-key order kept.
+
+Protocol (design.md, "Outbox relay"):
+
+1. One active relay: a session-level ``pg_try_advisory_lock`` held on a dedicated connection;
+   other relays stand by and take over when that connection dies. This keeps per-key order
+   without partitioning the outbox (the simpler of the two designs the doc allows).
+2. Read unpublished rows in id order (``published_at IS NULL``). Rows are marked, never skipped
+   past a high-water mark, so a transaction that commits late with a lower id is still
+   published on the next poll (no loss under sequence gaps).
+3. Produce the batch with an idempotent producer (``enable.idempotence=true``, ``acks=all``),
+   ``flush()``, and check every delivery report.
+4. Only then mark the delivered rows published. A crash between 3 and 4 re-publishes the batch:
+   that is the at-least-once side, absorbed by idempotent consumers.
+5. Wake on ``LISTEN outbox_v1`` (a NOTIFY is sent by a trigger at commit); fall back to polling
+   every ``relay_poll_interval_s``. Published rows older than ``outbox_retention_s`` are deleted
+   every few minutes so the table does not bloat.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from confluent_kafka import KafkaError, Producer
+
+from jobstream import faults
+from jobstream.db import QUERIES as Q
+from jobstream.db import connect
+from jobstream.kafka import producer_config
+from jobstream.settings import Settings
+
+log = logging.getLogger("jobstream.relay")
+
+RELAY_LOCK_ID = 0x6F757462  # "outb": the active-relay advisory lock
+CHANNEL = "outbox_v1"
+GC_EVERY_S = 300.0
+
+
+class DeliveryFailed(Exception):
+    """At least one message of a batch was not acknowledged by the broker."""
+
+
+@dataclass
+class RelayStats:
+    """Counters of one relay process (rows published, batches, failed deliveries)."""
+
+    published: int = 0
+    batches: int = 0
+    failed: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+
+
+class OutboxRelay:
+    """Publishes the outbox until :meth:`stop` is called (thread-safe) or a signal arrives."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.stats = RelayStats()
+        self._stop = threading.Event()
+        self._producer = Producer(producer_config(settings, **{"client.id": "jobstream-relay"}))
+
+    def stop(self, *_: Any) -> None:
+        """Ask the relay loop to finish its current batch and return."""
+        self._stop.set()
+
+    def publish_batch(self, conn: psycopg.Connection) -> int:
+        """Publish one batch of unpublished rows; returns how many were published.
+
+        Raises :class:`DeliveryFailed` (nothing of the batch is marked) when any delivery
+        report carries an error; the rows stay unpublished and are retried.
+        """
+        with conn.transaction():
+            rows = conn.execute(Q["outbox_fetch"], (self.settings.relay_batch_size,)).fetchall()
+        if not rows:
+            return 0
+        errors: list[KafkaError] = []
+
+        def on_delivery(err: KafkaError | None, _msg: Any) -> None:
+            if err is not None:
+                errors.append(err)
+
+        for row in rows:
+            headers = [(k, str(v).encode()) for k, v in row["headers"].items()]
+            while True:
+                try:
+                    self._producer.produce(row["topic"], value=bytes(row["payload"]),
+                                           key=row["kafka_key"], headers=headers,
+                                           on_delivery=on_delivery)
+                    break
+                except BufferError:
+                    self._producer.poll(0.1)  # local queue full: serve callbacks, then retry
+            self._producer.poll(0)
+        remaining = self._producer.flush(60)
+        if remaining or errors:
+            self.stats.failed += len(errors) + remaining
+            raise DeliveryFailed(f"{len(errors)} failed, {remaining} undelivered: "
+                                 f"{errors[:3]}")
+        faults.point("relay_after_produce_before_mark")
+        ids = [r["id"] for r in rows]
+        with conn.transaction():
+            conn.execute(Q["outbox_mark_published"], (ids,))
+        self.stats.published += len(ids)
+        self.stats.batches += 1
+        return len(ids)
+
+    def _acquire_lock(self, conn: psycopg.Connection) -> bool:
+        while not self._stop.is_set():
+            row = conn.execute(Q["relay_try_lock"], (RELAY_LOCK_ID,)).fetchone()
+            if row and row["locked"]:
+                return True
+            log.info("another relay is active; standing by")
+            self._stop.wait(2.0)
+        return False
+
+    def run(self) -> RelayStats:
+        """Relay until stopped. Reconnects to Postgres with backoff; never marks a row
+        published before its delivery report."""
+        last_gc = 0.0
+        backoff = 0.5
+        while not self._stop.is_set():
+            try:
+                with connect(self.settings.database_url, autocommit=True) as conn:
+                    if not self._acquire_lock(conn):
+                        break
+                    conn.execute(f"LISTEN {CHANNEL}")  # constant channel name, not input
+                    log.info("relay active (lock held); publishing outbox")
+                    backoff = 0.5
+                    while not self._stop.is_set():
+                        try:
+                            n = self.publish_batch(conn)
+                        except DeliveryFailed as exc:
+                            log.warning("delivery failed, will retry the batch: %s", exc)
+                            self._stop.wait(1.0)
+                            continue
+                        if time.monotonic() - last_gc > GC_EVERY_S:
+                            with conn.transaction():
+                                conn.execute(Q["outbox_delete_published"],
+                                             (self.settings.outbox_retention_s,))
+                            last_gc = time.monotonic()
+                        if n < self.settings.relay_batch_size:
+                            # Caught up: sleep until a NOTIFY or the polling interval.
+                            for _ in conn.notifies(timeout=self.settings.relay_poll_interval_s,
+                                                   stop_after=1):
+                                pass
+            except psycopg.OperationalError as exc:
+                log.warning("postgres unavailable (%s); reconnecting in %.1fs", exc, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+        self._producer.flush(30)
+        return self.stats
+
+
+def main(settings: Settings) -> int:
+    """Run a relay in the foreground until SIGINT/SIGTERM; returns the exit code."""
+    relay = OutboxRelay(settings)
+    signal.signal(signal.SIGTERM, relay.stop)
+    signal.signal(signal.SIGINT, relay.stop)
+    stats = relay.run()
+    log.info("relay stopped: %s", stats)
+    return 0

@@ -1,0 +1,265 @@
+"""Pydantic v2 event models: one envelope, one payload model per event type.
+
+Every event is a frozen, versioned contract (``extra="forbid"``, explicit ``schema_version``).
+The envelope carries the three keys that are never merged (design.md, "Three keys"):
+``request_id`` (tracing), ``idempotency_key`` (one client intent) and ``dedup_key`` (one
+computation). Messages carry ids, hashes and small data; stage outputs live in Postgres.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
+
+from jobstream.errors import PoisonMessage
+
+SCHEMA_VERSION = 1
+
+Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="sha256, lowercase hex")]
+Lane = Literal["interactive", "batch"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DocumentRef(_Frozen):
+    """The uploaded document: inline bytes (``content_b64``) or a ``file://`` URI, and its hash.
+
+    Exactly one of ``content_b64`` and ``uri`` is set. ``sha256`` is checked against the bytes
+    at intake; a mismatch dead-letters the event.
+    """
+
+    filename: str = Field(min_length=1, max_length=512)
+    content_type: Literal["text/plain", "application/pdf"] = "text/plain"
+    sha256: Sha256Hex
+    size_bytes: int = Field(ge=0, description="Size of the document (bytes).")
+    content_b64: str | None = Field(None, description="The document's bytes, base64.")
+    uri: str | None = Field(None, pattern=r"^file://", description="file:// URI of the bytes.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DocumentRef:
+        if (self.content_b64 is None) == (self.uri is None):
+            raise ValueError("exactly one of content_b64 and uri must be set")
+        return self
+
+    def content(self) -> bytes:
+        """The document's bytes (reads ``file://``). Raises ``OSError``, ``ValueError``."""
+        if self.content_b64 is not None:
+            return base64.b64decode(self.content_b64, validate=True)
+        assert self.uri is not None
+        with open(self.uri.removeprefix("file://"), "rb") as fh:
+            return fh.read()
+
+
+class DocumentUploadedPayload(_Frozen):
+    """What another service asks for: analyse this document with this pipeline/prompt/model."""
+
+    document: DocumentRef
+    pipeline: str = Field("document-analysis", min_length=1, max_length=100)
+    prompt_version: str = Field("analysis-v1", min_length=1, max_length=100)
+    model_profile: str = Field("local", min_length=1, max_length=100)
+    lane: Lane = "interactive"
+
+
+class JobAcceptedPayload(_Frozen):
+    """The job exists (intake committed); extraction may start."""
+
+    document_sha256: Sha256Hex
+    content_type: str
+    pipeline: str
+    prompt_version: str
+    model_profile: str
+    lane: Lane
+
+
+class TextExtractedPayload(_Frozen):
+    """Text extraction finished; the text is in the ``text_extracted`` checkpoint."""
+
+    text_sha256: Sha256Hex
+    char_count: int = Field(ge=0)
+    page_count: int = Field(ge=0, description="PDF pages; 0 for plain text.")
+
+
+class ChunksReadyPayload(_Frozen):
+    """Chunking finished; the chunks are rows of ``chunk``."""
+
+    chunk_count: int = Field(ge=1)
+    chunks_sha256: Sha256Hex
+
+
+class LlmDonePayload(_Frozen):
+    """Every chunk has a model output (from the provider or reused by dedup key)."""
+
+    chunk_count: int = Field(ge=1)
+    output_sha256: Sha256Hex
+    provider_calls: int = Field(ge=0, description="Provider calls this stage made (0 if reused).")
+    reused: bool
+    cost_usd: float = Field(ge=0, description="Provider cost of this stage (USD).")
+
+
+class ValidatedPayload(_Frozen):
+    """The merged model output passed schema validation."""
+
+    output_sha256: Sha256Hex
+
+
+class DocumentAnalysis(_Frozen):
+    """The product: what the pipeline says about one document (validated model output)."""
+
+    title: str = Field(min_length=1, max_length=300)
+    summary: str = Field(min_length=1, max_length=4000)
+    keywords: list[str] = Field(min_length=1, max_length=20)
+    word_count: int = Field(ge=1)
+    chunk_count: int = Field(ge=1)
+    fields: dict[str, str | int | list[str]] = Field(
+        default_factory=dict, description="Extracted fields, e.g. licence_name, version, years."
+    )
+
+
+class JobReadyPayload(_Frozen):
+    """The result, ready to be applied downstream exactly once (per dedup_key)."""
+
+    result: DocumentAnalysis
+    document_sha256: Sha256Hex
+    filename: str
+    cost_usd: float = Field(ge=0, description="Provider cost of the job (USD).")
+    charge_usd: float = Field(ge=0, description="What the client is charged for it (USD).")
+
+
+class JobFailedPayload(_Frozen):
+    """The job ended without a result."""
+
+    stage: str
+    error_code: str
+    error: str = Field(max_length=4000)
+
+
+class _Envelope(_Frozen):
+    event_id: uuid.UUID = Field(default_factory=uuid.uuid4)
+    schema_version: Literal[1] = SCHEMA_VERSION
+    occurred_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    tenant_id: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:-]+$")
+    idempotency_key: str = Field(min_length=1, max_length=200)
+    request_id: str = Field(default_factory=lambda: uuid.uuid4().hex, max_length=200)
+
+
+class _JobEnvelope(_Envelope):
+    job_id: uuid.UUID
+    dedup_key: Sha256Hex
+
+
+class DocumentUploaded(_Envelope):
+    """``document.uploaded``: produced by other services; no job or dedup key exists yet."""
+
+    event_type: Literal["document.uploaded"] = "document.uploaded"
+    payload: DocumentUploadedPayload
+
+
+class JobAccepted(_JobEnvelope):
+    """``job.accepted``: intake created the job."""
+
+    event_type: Literal["job.accepted"] = "job.accepted"
+    payload: JobAcceptedPayload
+
+
+class TextExtracted(_JobEnvelope):
+    """``job.text_extracted``."""
+
+    event_type: Literal["job.text_extracted"] = "job.text_extracted"
+    payload: TextExtractedPayload
+
+
+class ChunksReady(_JobEnvelope):
+    """``job.chunks_ready``."""
+
+    event_type: Literal["job.chunks_ready"] = "job.chunks_ready"
+    payload: ChunksReadyPayload
+
+
+class LlmDone(_JobEnvelope):
+    """``job.llm_done``."""
+
+    event_type: Literal["job.llm_done"] = "job.llm_done"
+    payload: LlmDonePayload
+
+
+class Validated(_JobEnvelope):
+    """``job.validated``."""
+
+    event_type: Literal["job.validated"] = "job.validated"
+    payload: ValidatedPayload
+
+
+class JobReady(_JobEnvelope):
+    """``job.ready``: delivered at-least-once, applied exactly once per dedup_key."""
+
+    event_type: Literal["job.ready"] = "job.ready"
+    payload: JobReadyPayload
+
+
+class JobFailed(_JobEnvelope):
+    """``job.failed``: the job reached the terminal state ``failed``."""
+
+    event_type: Literal["job.failed"] = "job.failed"
+    payload: JobFailedPayload
+
+
+Event = Annotated[
+    DocumentUploaded | JobAccepted | TextExtracted | ChunksReady | LlmDone | Validated
+    | JobReady | JobFailed,
+    Field(discriminator="event_type"),
+]
+EVENT_MODELS: dict[str, type[BaseModel]] = {
+    m.model_fields["event_type"].default: m
+    for m in (DocumentUploaded, JobAccepted, TextExtracted, ChunksReady, LlmDone, Validated,
+              JobReady, JobFailed)
+}
+EVENT_TYPES = tuple(EVENT_MODELS)
+_ADAPTER: TypeAdapter[Any] = TypeAdapter(Event)
+
+
+def encode_event(event: BaseModel) -> bytes:
+    """Serialise an event to UTF-8 JSON bytes (the Kafka value and the outbox payload)."""
+    return event.model_dump_json().encode()
+
+
+def decode_event(raw: bytes | str | None, expected: str | tuple[str, ...] | None = None) -> Any:
+    """Parse and validate one event.
+
+    ``expected``: the event type(s) this consumer accepts. Raises :class:`PoisonMessage` with a
+    reason (``not_json``, ``schema_violation``, ``unexpected_event_type``, ``empty``) for
+    anything else; the caller dead-letters it.
+    """
+    if raw is None or raw in (b"", ""):
+        raise PoisonMessage("empty message value", code="empty")
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PoisonMessage(f"value is not JSON: {exc}", code="not_json") from None
+    if isinstance(obj, dict) and expected is not None:
+        wanted = (expected,) if isinstance(expected, str) else expected
+        if obj.get("event_type") not in wanted:
+            raise PoisonMessage(
+                f"event_type {obj.get('event_type')!r} not in {list(wanted)}",
+                code="unexpected_event_type",
+            )
+    try:
+        return _ADAPTER.validate_python(obj)
+    except ValidationError as exc:
+        errors = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors()[:5]
+        )
+        raise PoisonMessage(f"schema violation: {errors}", code="schema_violation") from None

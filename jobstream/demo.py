@@ -70,9 +70,9 @@ class Proc:
 def start(name: str, args: list[str], env: dict[str, str], logdir: Path) -> Proc:
     """Start ``python -m jobstream.cli <args>`` with its output in ``logdir/<name>.log``."""
     log = logdir / f"{name}.log"
-    fh = log.open("wb")
-    p = subprocess.Popen([sys.executable, "-m", "jobstream.cli", *args], env=env, stdout=fh,
-                         stderr=subprocess.STDOUT, start_new_session=True)
+    with log.open("wb") as fh:  # the child keeps its own descriptor
+        p = subprocess.Popen([sys.executable, "-m", "jobstream.cli", *args], env=env,
+                             stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     return Proc(name, p, log)
 
 

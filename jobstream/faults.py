@@ -5,7 +5,8 @@ hit); with the variable unset every call is a no-op. SIGKILL, not an exception: 
 chance to clean up, exactly like ``kill -9`` or an OOM kill.
 
 Points: ``llm_after_provider_before_checkpoint``, ``stage_after_commit_before_offset``,
-``relay_after_produce_before_mark``, ``consumer_after_apply_before_offset``.
+``relay_after_produce_before_mark`` (also ``relay_after_produce_before_mark:<event_type>``, hit
+once per event type in the batch), ``consumer_after_apply_before_offset``.
 """
 
 from __future__ import annotations

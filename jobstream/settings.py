@@ -22,7 +22,8 @@ DEFAULT_KAFKA = "127.0.0.1:9092"
 class Settings(BaseSettings):
     """Typed configuration; see the field descriptions (units are in the names)."""
 
-    model_config = SettingsConfigDict(env_prefix="JOBSTREAM_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="JOBSTREAM_", extra="ignore",
+                                      populate_by_name=True)
 
     database_url: str = Field(
         DEFAULT_DATABASE_URL,

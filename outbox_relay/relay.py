@@ -102,6 +102,8 @@ class OutboxRelay:
             raise DeliveryFailed(f"{len(errors)} failed, {remaining} undelivered: "
                                  f"{errors[:3]}")
         faults.point("relay_after_produce_before_mark")
+        for event_type in sorted({r["event_type"] for r in rows}):
+            faults.point(f"relay_after_produce_before_mark:{event_type}")
         ids = [r["id"] for r in rows]
         with conn.transaction():
             conn.execute(Q["outbox_mark_published"], (ids,))

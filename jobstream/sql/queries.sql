@@ -177,7 +177,7 @@ VALUES (%s, %s, %s, %s, %s, %s);
 -- name: outbox_fetch
 -- Unpublished rows in id order. Rows are marked, never skipped by a high-water mark, so a
 -- transaction that committed late (a lower id seen after a higher one) is published next poll.
-SELECT id, topic, kafka_key, payload, headers FROM outbox
+SELECT id, topic, kafka_key, payload, headers, event_type FROM outbox
  WHERE published_at IS NULL ORDER BY id LIMIT %s;
 
 -- name: outbox_mark_published

@@ -1,0 +1,123 @@
+"""Fixtures: real Kafka + real Postgres, never an in-memory fake.
+
+Where the services come from, in order (DEVELOPERS.md):
+1. ``KAFKA_BOOTSTRAP_SERVERS`` / ``DATABASE_URL`` (or their ``JOBSTREAM_`` forms) when set;
+2. testcontainers when a Docker engine answers;
+3. the native services of ``scripts/services.sh up`` (installed and started when needed).
+
+Isolation: each test gets its own database cloned from a migrated template
+(``CREATE DATABASE … TEMPLATE …``) and its own topic/consumer-group prefix.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from jobstream.db import migrate
+from jobstream.kafka import ensure_topics
+from jobstream.services import SCRIPT, kafka_answers, postgres_answers
+from jobstream.settings import DEFAULT_DATABASE_URL, DEFAULT_KAFKA, Settings
+from tests.helpers import ProcessRunner
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where the services of this test session are."""
+
+    database_url: str
+    kafka: str
+    source: str
+
+
+def _docker_answers() -> bool:
+    if not shutil.which("docker"):
+        return False
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.fixture(scope="session")
+def endpoints() -> Iterator[Endpoints]:
+    """The session's Kafka and Postgres (see the module docstring for the order)."""
+    db = os.environ.get("JOBSTREAM_DATABASE_URL") or os.environ.get("DATABASE_URL")
+    kafka = (os.environ.get("JOBSTREAM_KAFKA_BOOTSTRAP_SERVERS")
+             or os.environ.get("KAFKA_BOOTSTRAP_SERVERS"))
+    if db and kafka:
+        yield Endpoints(db, kafka, "environment")
+        return
+    if not (db or kafka) and _docker_answers():  # pragma: no cover - no Docker engine here
+        from testcontainers.kafka import KafkaContainer
+        from testcontainers.postgres import PostgresContainer
+        with PostgresContainer("postgres:16-alpine", driver=None) as pg, \
+                KafkaContainer("confluentinc/cp-kafka:7.6.0").with_kraft() as kc:
+            yield Endpoints(pg.get_connection_url(), kc.get_bootstrap_server(), "testcontainers")
+        return
+    db = db or DEFAULT_DATABASE_URL
+    kafka = kafka or DEFAULT_KAFKA
+    if not (postgres_answers(db) and kafka_answers(kafka)):
+        env = {**os.environ, "JOBSTREAM_DATABASE_URL": db,
+               "JOBSTREAM_KAFKA_BOOTSTRAP_SERVERS": kafka}
+        rc = subprocess.call(["bash", str(SCRIPT), "up"], env=env)
+        assert rc == 0, "scripts/services.sh up failed"
+    assert postgres_answers(db), f"Postgres does not answer at {db}"
+    assert kafka_answers(kafka), f"Kafka does not answer at {kafka}"
+    yield Endpoints(db, kafka, "native")
+
+
+def _with_db(url: str, dbname: str) -> str:
+    return psycopg.conninfo.make_conninfo(url, dbname=dbname)
+
+
+@pytest.fixture(scope="session")
+def template_db(endpoints: Endpoints) -> Iterator[str]:
+    """Name of a migrated template database, dropped at the end of the session."""
+    name = f"jobstream_tpl_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(endpoints.database_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    migrate(_with_db(endpoints.database_url, name))
+    yield name
+    with psycopg.connect(endpoints.database_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+            sql.Identifier(name)))
+
+
+@pytest.fixture
+def database_url(endpoints: Endpoints, template_db: str) -> Iterator[str]:
+    """A fresh database for one test, cloned from the migrated template."""
+    name = f"jobstream_t_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(endpoints.database_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+            sql.Identifier(name), sql.Identifier(template_db)))
+    yield _with_db(endpoints.database_url, name)
+    with psycopg.connect(endpoints.database_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+            sql.Identifier(name)))
+
+
+@pytest.fixture
+def settings(endpoints: Endpoints, database_url: str) -> Settings:
+    """Settings of one test: own database, own topic prefix, short timeouts."""
+    s = Settings(database_url=database_url, kafka_bootstrap_servers=endpoints.kafka,
+                 topic_prefix=f"t{uuid.uuid4().hex[:8]}.", consumer_session_timeout_ms=6000,
+                 relay_poll_interval_s=0.2, lease_s=30.0, provider_backoff_base_s=0.05)
+    ensure_topics(s)
+    return s
+
+
+@pytest.fixture
+def procs(settings: Settings, tmp_path) -> Iterator[ProcessRunner]:
+    """Starts jobstream processes for the test and kills whatever is left at teardown."""
+    runner = ProcessRunner(settings, tmp_path / "logs")
+    yield runner
+    runner.stop_all()

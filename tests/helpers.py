@@ -1,0 +1,155 @@
+"""Test helpers: real processes, reading topics, waiting on Postgres."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from confluent_kafka import Consumer, KafkaError, TopicPartition
+from psycopg.rows import dict_row
+
+from jobstream.settings import Settings
+
+
+@dataclass
+class Proc:
+    """One started process and its log file."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def log_text(self) -> str:
+        """Everything the process wrote so far."""
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+class ProcessRunner:
+    """Runs ``python -m jobstream.cli <args>`` with the test's settings as environment."""
+
+    def __init__(self, settings: Settings, logdir: Path) -> None:
+        self.settings = settings
+        self.logdir = logdir
+        logdir.mkdir(parents=True, exist_ok=True)
+        self.procs: list[Proc] = []
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The environment that carries this test's settings."""
+        s = self.settings
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("JOBSTREAM_") and k not in ("DATABASE_URL",
+                                                               "KAFKA_BOOTSTRAP_SERVERS")}
+        env.update({
+            "JOBSTREAM_DATABASE_URL": s.database_url,
+            "JOBSTREAM_KAFKA_BOOTSTRAP_SERVERS": s.kafka_bootstrap_servers,
+            "JOBSTREAM_TOPIC_PREFIX": s.topic_prefix,
+            "JOBSTREAM_CONSUMER_SESSION_TIMEOUT_MS": str(s.consumer_session_timeout_ms),
+            "JOBSTREAM_RELAY_POLL_INTERVAL_S": str(s.relay_poll_interval_s),
+            "JOBSTREAM_LEASE_S": str(s.lease_s),
+            "JOBSTREAM_PROVIDER_BACKOFF_BASE_S": str(s.provider_backoff_base_s),
+        })
+        env.update(extra)
+        return env
+
+    def start(self, *args: str, name: str | None = None, **env: str) -> Proc:
+        """Start a jobstream subcommand; ``env`` adds variables (e.g. JOBSTREAM_FAULT)."""
+        name = name or args[0]
+        log = self.logdir / f"{name}-{len(self.procs)}.log"
+        with log.open("wb") as fh:  # the child keeps its own descriptor
+            p = subprocess.Popen([sys.executable, "-m", "jobstream.cli", *args],
+                                 env=self.env(**env), stdout=fh, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        proc = Proc(name, p, log)
+        self.procs.append(proc)
+        return proc
+
+    def pipeline(self, **env: str) -> dict[str, Proc]:
+        """Start relay, stage workers and the downstream applier."""
+        return {"relay": self.start("relay", **env), "worker": self.start("worker", **env),
+                "downstream": self.start("consume-ready", **env)}
+
+    def kill9(self, proc: Proc) -> None:
+        """SIGKILL a process (like kill -9) and reap it."""
+        proc.popen.send_signal(signal.SIGKILL)
+        proc.popen.wait(10)
+
+    def stop_all(self) -> None:
+        """SIGTERM everything still running, SIGKILL after 15 s."""
+        for p in self.procs:
+            if p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for p in self.procs:
+            try:
+                p.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait(5)
+
+    def logs(self) -> str:
+        """The tail of every process log (for assertion messages)."""
+        return "\n".join(f"--- {p.name} (rc={p.popen.poll()})\n{p.log_text()[-3000:]}"
+                         for p in self.procs)
+
+
+def query(url: str, q: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
+    """Run one read-only test query (test-only SQL: assertions over the store's tables)."""
+    with psycopg.connect(url, row_factory=dict_row, autocommit=True) as conn:
+        return conn.execute(q, params).fetchall()  # type: ignore[arg-type]
+
+
+def wait_for(pred: Callable[[], Any], timeout_s: float, what: str,
+             on_timeout: Callable[[], str] | None = None, every_s: float = 0.25) -> Any:
+    """Poll ``pred`` until truthy; fails the test with ``what`` (+ diagnostics) on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}\n"
+                         + (on_timeout() if on_timeout else ""))
+
+
+def read_topic(settings: Settings, topic: str, timeout_s: float = 20.0) -> list[Any]:
+    """Every message currently in ``topic`` (full name), read from the beginning to the end
+    offsets at call time, with a throwaway consumer group."""
+    c = Consumer({"bootstrap.servers": settings.kafka_bootstrap_servers,
+                  "group.id": f"reader-{uuid.uuid4().hex}", "enable.auto.commit": False,
+                  "auto.offset.reset": "earliest"})
+    try:
+        md = c.list_topics(topic, timeout=10).topics[topic]
+        tps = [TopicPartition(topic, p) for p in md.partitions]
+        ends = {}
+        for tp in tps:
+            _lo, hi = c.get_watermark_offsets(tp, timeout=10)
+            ends[tp.partition] = hi
+        todo = {p for p, hi in ends.items() if hi > 0}
+        c.assign([TopicPartition(topic, p, 0) for p in ends])
+        out = []
+        deadline = time.monotonic() + timeout_s
+        while todo and time.monotonic() < deadline:
+            m = c.poll(0.5)
+            if m is None:
+                continue
+            if m.error():
+                if m.error().code() == KafkaError._PARTITION_EOF:
+                    continue
+                raise RuntimeError(m.error())
+            if m.offset() < ends[m.partition()]:
+                out.append(m)
+            if m.offset() >= ends[m.partition()] - 1:
+                todo.discard(m.partition())
+        assert not todo, f"could not read {topic} to its end offsets"
+        return out
+    finally:
+        c.close()

@@ -1,0 +1,102 @@
+"""Keys, event contracts and the committed JSON Schema files (no services needed)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+
+import pytest
+
+from jobstream.errors import PoisonMessage
+from jobstream.keys import canonical_json, dedup_key, request_hash
+from schemas.events import DocumentRef, DocumentUploaded, DocumentUploadedPayload, decode_event
+from schemas.generate import main as generate_main
+
+BASE = {"tenant_id": "acme", "document_hash": "a" * 64, "pipeline": "document-analysis",
+        "prompt_version": "analysis-v1", "model_profile": "local"}
+
+
+def test_dedup_key_is_sha256_of_canonical_json_of_the_five_fields() -> None:
+    expected = hashlib.sha256(
+        b'{"document_hash":"' + b"a" * 64 + b'","model_profile":"local",'
+        b'"pipeline":"document-analysis","prompt_version":"analysis-v1","tenant_id":"acme"}'
+    ).hexdigest()
+    assert dedup_key(**BASE) == expected
+
+
+@pytest.mark.parametrize("field,value", [("tenant_id", "other"), ("prompt_version", "analysis-v2"),
+                                         ("model_profile", "openai"), ("document_hash", "b" * 64),
+                                         ("pipeline", "p2")])
+def test_dedup_key_changes_with_every_computational_input(field: str, value: str) -> None:
+    assert dedup_key(**{**BASE, field: value}) != dedup_key(**BASE)
+
+
+def test_request_hash_covers_the_lane_but_not_the_tenant() -> None:
+    body = {k: v for k, v in BASE.items() if k != "tenant_id"}
+    assert request_hash(**body, lane="batch") != request_hash(**body, lane="interactive")
+
+
+def test_canonical_json_is_order_independent() -> None:
+    assert canonical_json({"b": 1, "a": [1, "é"]}) == canonical_json({"a": [1, "é"], "b": 1})
+
+
+def _uploaded(**kw: object) -> DocumentUploaded:
+    doc = DocumentRef(filename="a.txt", sha256="0" * 64, size_bytes=1, content_b64="YQ==")
+    return DocumentUploaded(tenant_id="acme", idempotency_key="k",
+                            payload=DocumentUploadedPayload(document=doc), **kw)
+
+
+def test_transport_fields_differ_but_decode_round_trips() -> None:
+    a, b = _uploaded(), _uploaded()
+    assert a.event_id != b.event_id
+    back = decode_event(a.model_dump_json().encode(), expected="document.uploaded")
+    assert back == a
+
+
+@pytest.mark.parametrize("raw,code", [
+    (b"not json", "not_json"),
+    (b"", "empty"),
+    (b'{"event_type": "document.uploaded"}', "schema_violation"),
+    (b'{"event_type": "job.ready"}', "unexpected_event_type"),
+    (b"[1, 2]", "schema_violation"),
+    (b"\xff\xfe", "not_json"),
+])
+def test_poison_messages_are_classified_with_a_reason(raw: bytes, code: str) -> None:
+    with pytest.raises(PoisonMessage) as exc:
+        decode_event(raw, expected="document.uploaded")
+    assert exc.value.code == code
+    assert str(exc.value)
+
+
+def test_missing_tenant_names_the_field() -> None:
+    obj = json.loads(_uploaded().model_dump_json())
+    del obj["tenant_id"]
+    with pytest.raises(PoisonMessage, match="tenant_id"):
+        decode_event(json.dumps(obj))
+
+
+def test_extra_fields_are_rejected_frozen_contract() -> None:
+    obj = json.loads(_uploaded().model_dump_json())
+    obj["surprise"] = 1
+    with pytest.raises(PoisonMessage, match="surprise"):
+        decode_event(json.dumps(obj))
+
+
+def test_document_ref_needs_exactly_one_source() -> None:
+    with pytest.raises(ValueError):
+        DocumentRef(filename="a", sha256="0" * 64, size_bytes=1)
+    with pytest.raises(ValueError):
+        DocumentRef(filename="a", sha256="0" * 64, size_bytes=1, content_b64="YQ==",
+                    uri="file:///x")
+
+
+def test_committed_json_schemas_match_the_models() -> None:
+    assert generate_main(["--check"]) == 0, "run: python -m schemas.generate"
+
+
+def test_job_ids_are_uuids_in_job_events() -> None:
+    from schemas.events import JobFailed, JobFailedPayload
+    ev = JobFailed(tenant_id="t", idempotency_key="k", job_id=uuid.uuid4(), dedup_key="f" * 64,
+                   payload=JobFailedPayload(stage="llm_done", error_code="x", error="y"))
+    assert decode_event(ev.model_dump_json()).job_id == ev.job_id

@@ -1,0 +1,108 @@
+"""Text extraction, chunking, the local model and the provider client's classification."""
+
+from __future__ import annotations
+
+import random
+import re
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
+from pathlib import Path
+
+import pytest
+
+from jobstream.demo import make_pdf
+from jobstream.errors import PermanentError
+from jobstream.llm.client import ProviderClient, backoff_s, parse_retry_after
+from jobstream.llm.local import analyse
+from jobstream.llm.profiles import get_profile
+from jobstream.stages import merge_analyses
+from jobstream.textproc import chunk_text, extract_text
+
+GPL3 = Path("/usr/share/common-licenses/GPL-3")
+
+
+def _nonspace(s: str) -> str:
+    return re.sub(r"\s", "", s)
+
+
+@pytest.mark.parametrize("size", [200, 1000, 4000, 100_000])
+def test_chunks_cover_every_character_once_and_respect_the_size(size: int) -> None:
+    text = GPL3.read_text()
+    chunks = chunk_text(text, size)
+    assert _nonspace("".join(c.text for c in chunks)) == _nonspace(text)
+    assert [c.idx for c in chunks] == list(range(len(chunks)))
+    assert all(len(c.text) <= size for c in chunks)
+    assert all(text[c.start:c.end] == c.text for c in chunks)
+
+
+def test_plain_text_and_latin1_fallback() -> None:
+    assert extract_text("héllo".encode(), "text/plain").text == "héllo"
+    assert extract_text("héllo".encode("latin-1"), "text/plain").text == "héllo"
+
+
+def test_empty_and_broken_documents_are_permanent_failures() -> None:
+    with pytest.raises(PermanentError) as e1:
+        extract_text(b"  \n\n ", "text/plain")
+    assert e1.value.code == "empty_document"
+    with pytest.raises(PermanentError) as e2:
+        extract_text(b"%PDF-1.4 garbage", "application/pdf")
+    assert e2.value.code == "unparseable_document"
+
+
+def test_pdf_made_with_fpdf2_is_extracted_by_pypdf(tmp_path: Path) -> None:
+    src = Path("/usr/share/common-licenses/BSD").read_text()
+    pdf = make_pdf(src, tmp_path / "bsd.pdf", "BSD")
+    got = extract_text(pdf.read_bytes(), "application/pdf")
+    assert got.page_count >= 1
+    assert "Redistribution and use in source and binary forms" in " ".join(got.text.split())
+
+
+def test_local_model_is_deterministic_and_extractive() -> None:
+    text = Path("/usr/share/common-licenses/Apache-2.0").read_text()
+    a, b = analyse(text), analyse(text)
+    assert a == b
+    assert a["title"] == "Apache License"
+    assert a["fields"]["version"] == "2.0"
+    for sentence in re.split(r"(?<=\.)\s", a["summary"]):
+        assert " ".join(sentence.split())[:60] in " ".join(text.split())
+
+
+def test_local_profile_goes_through_the_openai_request_path() -> None:
+    client = ProviderClient(get_profile("local"), timeout_s=5)
+    try:
+        got = client.complete("system", "Version 3 of the thing. It was written in 2007 here.")
+    finally:
+        client.close()
+    assert got.status_code == 200
+    assert got.content["fields"]["years"] == ["2007"]
+    assert got.prompt_tokens > 0 and got.completion_tokens > 0
+
+
+def test_retry_after_seconds_and_http_date() -> None:
+    assert parse_retry_after("7") == 7.0
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    later = format_datetime(now + timedelta(seconds=30), usegmt=True)
+    assert parse_retry_after(later, now=now.timestamp()) == pytest.approx(30, abs=1)
+    assert parse_retry_after("soon") is None
+    assert parse_retry_after(None) is None
+
+
+def test_full_jitter_backoff_stays_within_the_capped_window() -> None:
+    rng = random.Random(1)
+    for attempt in range(10):
+        b = backoff_s(attempt, 0.5, 8.0, rng)
+        assert 0 <= b <= min(8.0, 0.5 * 2 ** attempt)
+
+
+def test_merge_validates_and_ranks_keywords() -> None:
+    parts = [{"title": "T", "summary": "One.", "keywords": ["a", "b"], "word_count": 3,
+              "fields": {"years": ["2001"]}},
+             {"title": None, "summary": "Two.", "keywords": ["b"], "word_count": 2,
+              "fields": {"years": ["1999"], "version": "2"}}]
+    got = merge_analyses("f.txt", parts)
+    assert got.title == "T" and got.word_count == 5 and got.chunk_count == 2
+    assert got.keywords[0] == "b"
+    assert got.fields == {"years": ["1999", "2001"], "version": "2"}
+    with pytest.raises(PermanentError) as exc:
+        merge_analyses("f.txt", [{"summary": "x"}])  # keywords missing
+    assert exc.value.code == "invalid_model_output"

@@ -145,6 +145,28 @@ def status(tenant: str) -> None:
     Console().print(t)
 
 
+@main.command("fake-provider")
+@click.option("--port", default=8089, show_default=True, help="Port on 127.0.0.1.")
+@click.option("--script", "script_json", default="{}", show_default=True,
+              help='Behaviour script as JSON, e.g. \'{"sequence": [{"status": 429, '
+                   '"retry_after": "1"}]}\' (see jobstream/llm/fake_provider.py).')
+def fake_provider(port: int, script_json: str) -> None:
+    """Serve a scriptable fake OpenAI-compatible provider on loopback (for fault drills).
+
+    Point jobs at it with JOBSTREAM_MODEL_PROFILE=custom and
+    JOBSTREAM_PROVIDER_BASE_URL=http://127.0.0.1:PORT/v1.
+    """
+    import json
+
+    from jobstream.llm.fake_provider import FakeProvider
+    fp = FakeProvider(json.loads(script_json), port=port)
+    click.echo(f"fake provider at {fp.base_url} (GET /_control/calls for counts)")
+    try:
+        fp.serve_forever()
+    except KeyboardInterrupt:
+        fp.stop()
+
+
 @main.command()
 @click.option("--check", is_flag=True, help="Fail if committed JSON Schema files drifted.")
 def schemas(check: bool) -> None:

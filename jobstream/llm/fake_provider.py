@@ -176,7 +176,10 @@ class FakeProvider:
 
     def stop(self) -> None:
         """Stop serving and close the socket."""
-        self._server.shutdown()
+        if self._thread is not None:  # shutdown() waits for serve_forever: only if serving
+            self._server.shutdown()
+            self._thread.join(5)
+            self._thread = None
         self._server.server_close()
 
     def __enter__(self) -> FakeProvider:

@@ -145,6 +145,67 @@ def status(tenant: str) -> None:
     Console().print(t)
 
 
+def _ctx():  # type: ignore[no-untyped-def]
+    from jobstream.stages import StageContext
+    from jobstream.store import Store
+    s = get_settings()
+    return StageContext(s, Store(s.database_url, max_size=2))
+
+
+@main.command()
+@click.argument("job_id", type=click.UUID)
+@click.option("--from", "from_stage", help="Stage to restart at (default: the first one that "
+              "did not succeed). Finished stages with unchanged code are re-emitted, not redone.")
+def redrive(job_id, from_stage: str | None) -> None:  # type: ignore[no-untyped-def]
+    """Send a failed, parked or finished job through its stages again."""
+    from jobstream.stages import redrive as do_redrive
+    try:
+        stage = do_redrive(_ctx(), job_id, from_stage)
+    except (KeyError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"job {job_id} re-driven from {stage}")
+
+
+@main.command()
+@click.argument("job_id", type=click.UUID, required=False)
+@click.option("--retry", "resolution", flag_value="retry",
+              help="Call the provider again for the chunks without an answer.")
+@click.option("--fail", "resolution", flag_value="fail", help="End the job as failed.")
+def reconcile(job_id, resolution: str | None) -> None:  # type: ignore[no-untyped-def]
+    """List jobs parked in needs_reconciliation (no JOB_ID), or resolve one.
+
+    A job is parked when a batch-lane provider call timed out after it was sent: the provider
+    may have done (and billed) the work, so jobstream does not guess. Check the provider's
+    records for the attempt's Idempotency-Key (<job_id>:<chunk>), then --retry or --fail.
+    """
+    from jobstream.stages import reconcile as do_reconcile
+    ctx = _ctx()
+    if job_id is None:
+        rows = ctx.store.parked_jobs()
+        t = Table(title="jobs needing reconciliation")
+        for c in ("job id", "tenant", "document", "lane", "stage", "unknown attempts", "since"):
+            t.add_column(c)
+        for r in rows:
+            t.add_row(str(r["job_id"]), r["tenant_id"], r["filename"], r["lane"],
+                      r["current_stage"], str(r["unknown_attempts"]), str(r["updated_at"]))
+        Console().print(t)
+        return
+    if resolution is None:
+        raise click.UsageError("give --retry or --fail")
+    try:
+        click.echo(do_reconcile(ctx, job_id, resolution))
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@main.command()
+def sweep() -> None:
+    """Re-drive stages whose lease expired long ago (the active relay also does this)."""
+    from jobstream.stages import sweep as do_sweep
+    for line in do_sweep(_ctx()) or ["nothing to sweep"]:
+        click.echo(line)
+
+
 @main.command("fake-provider")
 @click.option("--port", default=8089, show_default=True, help="Port on 127.0.0.1.")
 @click.option("--script", "script_json", default="{}", show_default=True,

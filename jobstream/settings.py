@@ -64,6 +64,28 @@ class Settings(BaseSettings):
     charge_per_job_usd: float = Field(
         0.01, ge=0, description="What a client is charged per accepted job (USD)."
     )
+    provider_deadline_s: float = Field(
+        300.0, gt=0, description="Budget: wall time for one chunk's attempts (seconds)."
+    )
+    provider_cost_cap_usd: float = Field(
+        1.0, ge=0, description="Budget: provider cost one job may spend (USD)."
+    )
+    outcome_unknown_policy: dict[str, str] = Field(
+        default_factory=lambda: {"interactive": "retry", "batch": "reconcile"},
+        description="Per lane, what a timed-out provider call does: retry, or park the job "
+                    "in needs_reconciliation (jobstream reconcile).",
+    )
+    stage_code_versions: dict[str, str] = Field(
+        default_factory=dict,
+        description="Override a stage's code version (e.g. {\"validated\": \"validate-2\"}) to "
+                    "make redrives recompute it and the stages after it.",
+    )
+    max_stage_attempts: int = Field(
+        5, ge=1, description="Runs of one stage before the sweeper fails a stuck job."
+    )
+    sweep_grace_s: float = Field(
+        30.0, ge=0, description="Sweeper: re-drive stages whose lease expired this long ago."
+    )
     chunk_size_chars: int = Field(4000, ge=200, description="Target chunk size (characters).")
     lease_s: float = Field(120.0, gt=0, description="Stage lease length (seconds).")
     max_inline_document_bytes: int = Field(

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 
 from jobstream import faults
 from jobstream.errors import (
+    JobstreamError,
     OutcomeUnknown,
     PermanentError,
     PoisonMessage,
@@ -35,9 +36,20 @@ from jobstream.keys import canonical_json, dedup_key, request_hash, sha256_hex
 from jobstream.llm.client import ProviderClient, backoff_s
 from jobstream.llm.profiles import PIPELINES, ModelProfile, get_profile, get_prompt
 from jobstream.settings import Settings
-from jobstream.store import Claim, IntakeResult, LeaseHeld, Skip, Store, outbox_message
+from jobstream.store import (
+    STAGES,
+    Claim,
+    Done,
+    IntakeResult,
+    LeaseHeld,
+    OutboxMessage,
+    Skip,
+    Store,
+    outbox_message,
+)
 from jobstream.textproc import CHUNK_VERSION, EXTRACT_VERSION, chunk_text, extract_text
 from schemas.events import (
+    EVENT_MODELS,
     ChunksReady,
     ChunksReadyPayload,
     DocumentAnalysis,
@@ -61,6 +73,15 @@ log = logging.getLogger("jobstream.stages")
 LLM_VERSION = "llm-1"
 VALIDATE_VERSION = "validate-1"
 PUBLISH_VERSION = "publish-1"
+CODE_VERSIONS = {"text_extracted": EXTRACT_VERSION, "chunks_ready": CHUNK_VERSION,
+                 "llm_done": LLM_VERSION, "validated": VALIDATE_VERSION,
+                 "published": PUBLISH_VERSION}
+
+
+class NeedsReconciliation(JobstreamError):
+    """A provider call's outcome is unknown and the lane's policy is to park the job."""
+
+    code = "outcome_unknown"
 
 
 @dataclass
@@ -71,6 +92,10 @@ class StageContext:
     store: Store
     _clients: dict[str, ProviderClient] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def code_version(self, stage: str) -> str:
+        """The code version of ``stage`` in force (settings may override the built-in one)."""
+        return self.settings.stage_code_versions.get(stage, CODE_VERSIONS[stage])
 
     def group(self, stage: str) -> str:
         """Idempotent-consumer group name of a stage (prefixed like Kafka groups)."""
@@ -169,7 +194,7 @@ def _extract(ctx: StageContext, claim: Claim, ev: Any) -> StageResult:
     ex = extract_text(content, ctype)
     return StageResult(
         output={"text": ex.text, "page_count": ex.page_count},
-        input_hash=job["document_sha256"], code_version=EXTRACT_VERSION,
+        input_hash=job["document_sha256"], code_version=ctx.code_version("text_extracted"),
         payload=TextExtractedPayload(text_sha256=sha256_hex(ex.text), char_count=len(ex.text),
                                      page_count=ex.page_count))
 
@@ -185,7 +210,8 @@ def _chunk(ctx: StageContext, claim: Claim, ev: Any) -> StageResult:
     return StageResult(
         output={"chunk_count": len(rows), "chunks_sha256": digest,
                 "chunk_size_chars": ctx.settings.chunk_size_chars},
-        input_hash=sha256_hex(text), code_version=CHUNK_VERSION, chunks=rows,
+        input_hash=sha256_hex(text), code_version=ctx.code_version("chunks_ready"),
+        chunks=rows,
         payload=ChunksReadyPayload(chunk_count=len(rows), chunks_sha256=digest))
 
 
@@ -199,10 +225,15 @@ def _call_provider(ctx: StageContext, claim: Claim, profile: ModelProfile, promp
     """
     s = ctx.settings
     client = ctx.client(profile)
-    deadline = time.monotonic() + s.provider_timeout_s * s.provider_max_attempts + 60
+    deadline = time.monotonic() + s.provider_deadline_s
+    policy = s.outcome_unknown_policy.get(claim.job["lane"], "retry")
     last: Exception | None = None
     for attempt in range(1, s.provider_max_attempts + 1):
         ctx.store.renew_lease(claim, s.lease_s)
+        spent, _ = ctx.store.stage_provider_cost(claim.job["job_id"], claim.stage)
+        if spent >= s.provider_cost_cap_usd > 0 or (s.provider_cost_cap_usd == 0 and spent > 0):
+            raise PermanentError(f"provider cost cap reached: {spent:.6f} USD spent, cap "
+                                 f"{s.provider_cost_cap_usd:.6f} USD", code="cost_cap_exceeded")
         attempt_id = ctx.store.start_attempt(claim, chunk_idx=chunk["idx"], attempt=attempt,
                                              model=client.model)
         try:
@@ -214,8 +245,11 @@ def _call_provider(ctx: StageContext, claim: Claim, profile: ModelProfile, promp
                        backoff_s(attempt - 1, s.provider_backoff_base_s, s.provider_backoff_cap_s))
             last = exc
         except OutcomeUnknown as exc:
-            # Interactive policy: retry (the provider's Idempotency-Key header lets it dedupe).
+            # Never recorded as a failure: the provider may have done (and billed) the work.
             ctx.store.finish_attempt(attempt_id, outcome="outcome_unknown", error=str(exc))
+            if policy != "retry":
+                raise NeedsReconciliation(f"chunk {chunk['idx']}: {exc}") from None
+            # Interactive: retry (the Idempotency-Key header lets a provider dedupe it).
             wait = backoff_s(attempt - 1, s.provider_backoff_base_s, s.provider_backoff_cap_s)
             last = exc
         except PermanentError as exc:
@@ -229,7 +263,10 @@ def _call_provider(ctx: StageContext, claim: Claim, profile: ModelProfile, promp
                                      prompt_tokens=done.prompt_tokens,
                                      completion_tokens=done.completion_tokens, cost_usd=cost)
             return done.content, attempt_id
-        if attempt == s.provider_max_attempts or time.monotonic() + wait > deadline:
+        if attempt == s.provider_max_attempts:
+            break
+        if time.monotonic() + wait > deadline:
+            last = RetryableError(f"deadline of {s.provider_deadline_s}s reached; last: {last}")
             break
         log.info("provider attempt %d for job %s chunk %d failed (%s); retrying in %.2fs",
                  attempt, claim.job["job_id"], chunk["idx"], last, wait)
@@ -267,7 +304,7 @@ def _llm(ctx: StageContext, claim: Claim, ev: Any) -> StageResult:
         output={"chunk_count": len(outputs), "output_sha256": digest, "model": profile.model,
                 "provider_attempts": attempts},
         input_hash=sha256_hex(canonical_json([c["text_sha256"] for c in chunks])),
-        code_version=LLM_VERSION, cost_usd=cost,
+        code_version=ctx.code_version("llm_done"), cost_usd=cost,
         payload=LlmDonePayload(chunk_count=len(outputs), output_sha256=digest,
                                provider_calls=calls, reused=calls == 0, cost_usd=cost))
 
@@ -321,7 +358,7 @@ def _validate(ctx: StageContext, claim: Claim, ev: Any) -> StageResult:
     analysis = merge_analyses(claim.job["filename"], outputs)
     out = analysis.model_dump(mode="json")
     return StageResult(output=out, input_hash=sha256_hex(canonical_json(outputs)),
-                       code_version=VALIDATE_VERSION,
+                       code_version=ctx.code_version("validated"),
                        payload=ValidatedPayload(output_sha256=sha256_hex(canonical_json(out))))
 
 
@@ -334,7 +371,7 @@ def _publish(ctx: StageContext, claim: Claim, ev: Any) -> StageResult:
     charge = ctx.settings.charge_per_job_usd
     return StageResult(
         output={"published": True}, input_hash=sha256_hex(canonical_json(analysis)),
-        code_version=PUBLISH_VERSION, charge_usd=charge,
+        code_version=ctx.code_version("published"), charge_usd=charge,
         payload=JobReadyPayload(result=DocumentAnalysis.model_validate(analysis),
                                 document_sha256=job["document_sha256"],
                                 filename=job["filename"], cost_usd=cost, charge_usd=charge))
@@ -361,19 +398,31 @@ SPECS: dict[str, StageSpec] = {s.consumes: s for s in (
 
 def run_stage(ctx: StageContext, ev: Any) -> str:
     """Process one stage event end to end; returns what happened, for logs and tests:
-    ``done``, ``skipped:<reason>``, ``failed:<error code>`` or ``stale``.
+    ``done``, ``reused`` (re-emitted a finished checkpoint after a redrive),
+    ``skipped:<reason>``, ``failed:<error code>``, ``parked`` or ``stale``.
 
     Waits (sleeping) while another run holds a live lease; a lease that expires is taken over.
     Raises :class:`RetryableError` / :class:`OutcomeUnknown` for the caller to retry later.
     """
     spec = SPECS[ev.event_type]
     group = ctx.group(spec.stage)
+    common = {"tenant_id": ev.tenant_id, "request_id": ev.request_id, "job_id": ev.job_id,
+              "dedup_key": ev.dedup_key, "generation": ev.generation}
     while True:
         got = ctx.store.claim(job_id=ev.job_id, stage=spec.stage, group=group,
                               dedup_key=ev.dedup_key, event_type=ev.event_type,
-                              event_id=ev.event_id, lease_s=ctx.settings.lease_s)
+                              event_id=ev.event_id, lease_s=ctx.settings.lease_s,
+                              code_version=ctx.code_version(spec.stage),
+                              generation=ev.generation)
         if isinstance(got, Skip):
             return f"skipped:{got.reason}"
+        if isinstance(got, Done):
+            nxt = spec.emits(**common, idempotency_key=got.job["idempotency_key"],
+                             payload=got.emitted)
+            ok = ctx.store.reemit(job=got.job, group=group, event_type=ev.event_type,
+                                  event_id=ev.event_id, next_msg=_msg(ctx, nxt),
+                                  final=spec.stage == STAGES[-1])
+            return "reused" if ok else "skipped:duplicate"
         if isinstance(got, LeaseHeld):
             wait = max(0.2, got.lease_until.timestamp() - time.time() + 0.1)
             log.info("stage %s of job %s is leased by another run; waiting %.1fs",
@@ -382,19 +431,25 @@ def run_stage(ctx: StageContext, ev: Any) -> str:
             continue
         claim = got
         break
-    common = {"tenant_id": ev.tenant_id, "idempotency_key": claim.job["idempotency_key"],
-              "request_id": ev.request_id, "job_id": ev.job_id, "dedup_key": ev.dedup_key}
+    common["idempotency_key"] = claim.job["idempotency_key"]
+    later = STAGES[STAGES.index(spec.stage) + 1:]
     try:
         result = spec.work(ctx, claim, ev)
         next_event = spec.emits(**common, payload=result.payload)
         ctx.store.complete(claim, output=result.output, input_hash=result.input_hash,
                            code_version=result.code_version, cost_usd=result.cost_usd,
                            group=group, event_type=ev.event_type, event_id=ev.event_id,
-                           next_msg=outbox_message(
-                               ctx.settings.topic(next_event.event_type),  # type: ignore[attr-defined]
-                               next_event),
-                           chunks=result.chunks, charge_usd=result.charge_usd)
+                           next_msg=_msg(ctx, next_event), chunks=result.chunks,
+                           charge_usd=result.charge_usd, later_stages=later)
         return "done"
+    except NeedsReconciliation as exc:
+        try:
+            ctx.store.park(claim, error_code=exc.code, error=str(exc), group=group,
+                           event_type=ev.event_type, event_id=ev.event_id)
+        except StaleRun:
+            return "stale"
+        log.warning("job %s parked at %s: %s", ev.job_id, spec.stage, exc)
+        return "parked"
     except PermanentError as exc:
         failed = JobFailed(**common, payload=JobFailedPayload(stage=spec.stage,
                                                               error_code=exc.code,
@@ -402,7 +457,7 @@ def run_stage(ctx: StageContext, ev: Any) -> str:
         try:
             ctx.store.fail(claim, error_code=exc.code, error=str(exc), group=group,
                            event_type=ev.event_type, event_id=ev.event_id,
-                           failed_msg=outbox_message(ctx.settings.topic("job.failed"), failed))
+                           failed_msg=_msg(ctx, failed))
         except StaleRun:
             return "stale"
         log.warning("job %s failed at %s: %s (%s)", ev.job_id, spec.stage, exc, exc.code)
@@ -410,3 +465,101 @@ def run_stage(ctx: StageContext, ev: Any) -> str:
     except StaleRun as exc:
         log.warning("discarding a stale run: %s", exc)
         return "stale"
+
+
+def _msg(ctx: StageContext, event: Any) -> OutboxMessage:
+    return outbox_message(ctx.settings.topic(event.event_type), event)
+
+
+#: The event type each checkpoint's stage consumes, and the stage before it.
+CONSUMES = {spec.stage: spec.consumes for spec in SPECS.values()}
+
+
+def redrive(ctx: StageContext, job_id: uuid.UUID, from_stage: str | None = None,
+            allowed: tuple[str, ...] = ("failed", "needs_reconciliation", "succeeded")) -> str:
+    """Send a job through its stages again from ``from_stage`` (default: the first stage that
+    is not succeeded, else the first stage). Finished stages whose code version is unchanged are
+    re-emitted, not redone; a stage that re-runs invalidates the stages after it. A result that
+    was already applied downstream is not applied again (same dedup_key).
+
+    Returns the stage the job restarts at. Raises ``KeyError`` (no job / unknown stage) and
+    ``ValueError`` (job status not in ``allowed``, or nothing to restart from).
+    """
+    def plan(job: dict[str, Any], rows: dict[str, Any]) -> tuple[Any, ...]:
+        nonlocal from_stage
+        if from_stage is None:
+            from_stage = next((st for st in STAGES[1:]
+                               if rows.get(st, {}).get("status") != "succeeded"), STAGES[1])
+        if from_stage not in CONSUMES:
+            raise KeyError(f"unknown stage {from_stage!r}; stages: {list(CONSUMES)}")
+        prev = rows.get(STAGES[STAGES.index(from_stage) - 1])
+        if prev is None or prev["status"] != "succeeded" or prev["emitted"] is None:
+            raise ValueError(f"stage before {from_stage} has no checkpoint to restart from")
+        model = EVENT_MODELS[CONSUMES[from_stage]]
+        ev = model(tenant_id=job["tenant_id"], idempotency_key=job["idempotency_key"],
+                   job_id=job["job_id"], dedup_key=job["dedup_key"],
+                   request_id=job["request_id"], generation=job["generation"] + 1,
+                   payload=prev["emitted"])
+        stages_from = list(STAGES[STAGES.index(from_stage):])
+        return (_msg(ctx, ev), stages_from, [ctx.group(st) for st in stages_from],
+                [CONSUMES[st] for st in stages_from])
+
+    ctx.store.redrive(job_id, plan=plan, allowed=allowed)
+    assert from_stage is not None
+    return from_stage
+
+
+def reconcile(ctx: StageContext, job_id: uuid.UUID, resolution: str) -> str:
+    """Resolve a job parked in ``needs_reconciliation``: ``retry`` re-drives the parked stage
+    (chunks already answered are not sent again); ``fail`` ends the job ``failed`` with a
+    ``job.failed`` event. Returns a one-line description. Raises ``ValueError``."""
+    job = ctx.store.job(job_id)
+    if job is None or job["status"] != "needs_reconciliation":
+        raise ValueError(f"job {job_id} does not need reconciliation")
+    if resolution == "retry":
+        stage = redrive(ctx, job_id, allowed=("needs_reconciliation",))
+        return f"job {job_id} re-driven from {stage}"
+    if resolution == "fail":
+        ev = JobFailed(tenant_id=job["tenant_id"], idempotency_key=job["idempotency_key"],
+                       job_id=job_id, dedup_key=job["dedup_key"], request_id=job["request_id"],
+                       generation=job["generation"],
+                       payload=JobFailedPayload(stage=job["current_stage"],
+                                                error_code="outcome_unknown_unresolved",
+                                                error="resolved as failed by an operator"))
+        ctx.store.fail_parked(job_id, error_code="outcome_unknown_unresolved",
+                              error="resolved as failed by an operator",
+                              failed_msg=_msg(ctx, ev))
+        return f"job {job_id} failed"
+    raise ValueError(f"resolution must be retry or fail, not {resolution!r}")
+
+
+def sweep(ctx: StageContext) -> list[str]:
+    """Un-stick jobs: every stage whose lease expired more than ``sweep_grace_s`` ago is
+    re-driven (its input event is written to the outbox again), or, after
+    ``max_stage_attempts`` runs, failed with ``stage_attempts_exhausted``. Returns one line per
+    action. A crash must never leave a job stuck forever."""
+    actions = []
+    for row in ctx.store.expired_leases(ctx.settings.sweep_grace_s):
+        job_id, stage = row["job_id"], row["stage"]
+        try:
+            if row["attempt"] >= ctx.settings.max_stage_attempts:
+                job = ctx.store.job(job_id)
+                assert job is not None
+                claim = Claim(job, stage, row["run_token"], row["attempt"], row["lease_until"])
+                ev = JobFailed(tenant_id=job["tenant_id"], idempotency_key=job["idempotency_key"],
+                               job_id=job_id, dedup_key=job["dedup_key"],
+                               request_id=job["request_id"], generation=job["generation"],
+                               payload=JobFailedPayload(stage=stage,
+                                                        error_code="stage_attempts_exhausted",
+                                                        error=f"{row['attempt']} runs died"))
+                ctx.store.fail(claim, error_code="stage_attempts_exhausted",
+                               error=f"{row['attempt']} runs of {stage} died or hung",
+                               group=ctx.group(stage), event_type=CONSUMES[stage],
+                               event_id=uuid.uuid4(), failed_msg=_msg(ctx, ev))
+                actions.append(f"failed {job_id} at {stage}")
+            else:
+                redrive(ctx, job_id, from_stage=stage, allowed=("queued", "running"))
+                actions.append(f"re-drove {job_id} from {stage}")
+        except (StaleRun, ValueError, KeyError) as exc:
+            log.info("sweeper skipped %s/%s: %s", job_id, stage, exc)
+    return actions

@@ -58,6 +58,15 @@ class Skip:
 
 
 @dataclass(frozen=True)
+class Done:
+    """The stage already succeeded under the current code version but this event was not
+    processed yet (a redrive): re-emit ``emitted`` (the payload of the stage's event)."""
+
+    job: dict[str, Any]
+    emitted: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class LeaseHeld:
     """Another run holds a live lease on the stage until ``lease_until``."""
 
@@ -160,10 +169,12 @@ class Store:
                     job_id = created["job_id"]
                     conn.execute(Q["insert_request"], (tenant_id, idempotency_key, request_hash,
                                                        job_id, request_id))
-                    conn.execute(Q["insert_done_stage"], (job_id, "uploaded",
-                                                          job["document_sha256"], "intake-1",
-                                                          Jsonb({"filename": job["filename"]})))
-                    self.add_outbox(conn, outbox_message(topic, accepted(job_id)))
+                    event = accepted(job_id)
+                    conn.execute(Q["insert_done_stage"], (
+                        job_id, "uploaded", job["document_sha256"], "intake-1",
+                        Jsonb({"filename": job["filename"]}),
+                        Jsonb(event.payload.model_dump(mode="json"))))
+                    self.add_outbox(conn, outbox_message(topic, event))
                     return IntakeResult(job_id, True)
             except psycopg.errors.UniqueViolation:
                 continue
@@ -172,13 +183,18 @@ class Store:
     # ------------------------------------------------------------------ stages
 
     def claim(self, *, job_id: uuid.UUID, stage: str, group: str, dedup_key: str,
-              event_type: str, event_id: uuid.UUID, lease_s: float) -> Claim | Skip | LeaseHeld:
+              event_type: str, event_id: uuid.UUID, lease_s: float, code_version: str,
+              generation: int = 0) -> Claim | Skip | Done | LeaseHeld:
         """Claim ``stage`` of a job for one run (short transaction, no lock kept).
 
-        Returns :class:`Skip` for a duplicate delivery (the idempotent-consumer row exists), a
-        finished stage, or a terminal/cancelled job (recording the event as processed);
+        Returns :class:`Skip` for a duplicate delivery (the idempotent-consumer row exists) or a
+        terminal/cancelled/parked job (recording the event as processed); :class:`Done` when the
+        stage already succeeded under ``code_version`` (a redrive: re-emit, don't redo);
         :class:`LeaseHeld` when another run's lease is live; else a :class:`Claim` with a fresh
-        fencing token.
+        fencing token (also when the checkpoint was made by another code version). An event of
+        an older ``generation`` than the job's (in flight before a redrive) is skipped as
+        ``superseded`` without being recorded, so the new generation's event is not taken for
+        its duplicate.
         """
         with self.tx() as conn:
             if conn.execute(Q["is_processed"], (group, dedup_key, event_type)).fetchone():
@@ -186,7 +202,9 @@ class Store:
             job = conn.execute(Q["get_job_for_update"], (job_id,)).fetchone()
             if job is None:
                 return Skip("unknown_job")
-            if job["status"] in TERMINAL or job["cancel_requested"]:
+            if generation < job["generation"]:
+                return Skip("superseded")
+            if job["status"] in (*TERMINAL, "needs_reconciliation") or job["cancel_requested"]:
                 if job["cancel_requested"]:
                     conn.execute(Q["cancel_job"], (job_id,))
                 conn.execute(Q["record_processed"], (group, dedup_key, event_type, event_id,
@@ -194,18 +212,31 @@ class Store:
                 return Skip("cancelled" if job["cancel_requested"] else "terminal")
             row = conn.execute(Q["claim_stage"], {"job_id": job_id, "stage": stage,
                                                   "run_token": uuid.uuid4(),
-                                                  "lease_s": lease_s}).fetchone()
+                                                  "lease_s": lease_s,
+                                                  "code_version": code_version}).fetchone()
             if row is None:
                 cur = conn.execute(Q["get_stage"], (job_id, stage)).fetchone()
                 assert cur is not None
                 if cur["status"] == "succeeded":
-                    conn.execute(Q["record_processed"], (group, dedup_key, event_type, event_id,
-                                                         job_id))
-                    return Skip("done")
-                if cur["status"] == "failed":
+                    return Done(dict(job), cur["emitted"])
+                if cur["status"] in ("failed", "needs_reconciliation"):
                     return Skip("terminal")
                 return LeaseHeld(cur["lease_until"])
             return Claim(dict(job), stage, row["run_token"], row["attempt"], row["lease_until"])
+
+    def reemit(self, *, job: dict[str, Any], group: str, event_type: str,
+               event_id: uuid.UUID, next_msg: OutboxMessage, final: bool) -> bool:
+        """Re-emit a finished stage's event and record the input event as processed, in ONE
+        transaction; ``final`` (the ``published`` stage) also closes the job as succeeded.
+        Returns False (writing nothing) if another delivery got there first."""
+        with self.tx() as conn:
+            if conn.execute(Q["record_processed"], (group, job["dedup_key"], event_type,
+                                                    event_id, job["job_id"])).fetchone() is None:
+                return False
+            if final:
+                conn.execute(Q["succeed_job"], (job["charge_usd"], job["job_id"]))
+            self.add_outbox(conn, next_msg)
+            return True
 
     def renew_lease(self, claim: Claim, lease_s: float) -> None:
         """Extend the lease of a running claim. Raises :class:`StaleRun` if it was taken over."""
@@ -219,21 +250,26 @@ class Store:
                  cost_usd: float, group: str, event_type: str, event_id: uuid.UUID,
                  next_msg: OutboxMessage,
                  chunks: list[tuple[int, int, int, str, str]] | None = None,
-                 charge_usd: float | None = None) -> None:
+                 charge_usd: float | None = None, later_stages: tuple[str, ...] = ()) -> None:
         """Finish a stage run in ONE transaction: fenced checkpoint, stage side rows (chunks),
         job progress, the next event's outbox row and the idempotent-consumer row.
 
-        Raises :class:`StaleRun` (and writes nothing) when the run token no longer owns the stage.
+        A stage that really ran invalidates ``later_stages`` (reset to pending): their inputs
+        may have changed. Raises :class:`StaleRun` (and writes nothing) when the run token no
+        longer owns the stage.
         """
         job_id = claim.job["job_id"]
+        emitted = json.loads(next_msg.value)["payload"]
         with self.tx() as conn:
             cur = conn.execute(Q["complete_stage"], {
                 "output": Jsonb(output), "input_hash": input_hash, "code_version": code_version,
                 "cost_usd": cost_usd, "job_id": job_id, "stage": claim.stage,
-                "run_token": claim.run_token})
+                "run_token": claim.run_token, "emitted": Jsonb(emitted)})
             if cur.rowcount != 1:
                 raise StaleRun(f"stage {claim.stage} of job {job_id}: run {claim.run_token} "
                                "was fenced off; result discarded")
+            if later_stages:
+                conn.execute(Q["reset_later_stages"], (job_id, list(later_stages)))
             if chunks is not None:
                 conn.execute(Q["delete_chunks"], (job_id,))
                 with conn.cursor() as c:
@@ -262,6 +298,71 @@ class Store:
             self.add_outbox(conn, failed_msg)
             conn.execute(Q["record_processed"], (group, claim.job["dedup_key"], event_type,
                                                  event_id, job_id))
+
+    def park(self, claim: Claim, *, error_code: str, error: str, group: str, event_type: str,
+             event_id: uuid.UUID) -> None:
+        """Park the stage and the job in ``needs_reconciliation`` (ONE fenced transaction): a
+        provider call's outcome is unknown and the lane's policy is not to guess.
+        Raises :class:`StaleRun` when the run was fenced off."""
+        job_id = claim.job["job_id"]
+        with self.tx() as conn:
+            cur = conn.execute(Q["park_stage"], {"error_code": error_code, "error": error[:4000],
+                                                 "job_id": job_id, "stage": claim.stage,
+                                                 "run_token": claim.run_token})
+            if cur.rowcount != 1:
+                raise StaleRun(f"stage {claim.stage} of job {job_id} has a newer run")
+            conn.execute(Q["park_job"], (error_code, error[:4000], job_id))
+            conn.execute(Q["record_processed"], (group, claim.job["dedup_key"], event_type,
+                                                 event_id, job_id))
+
+    def redrive(self, job_id: uuid.UUID, *, plan: Any, allowed: tuple[str, ...]) -> str:
+        """Re-drive a job (ONE transaction): forget the stage workers' idempotent-consumer rows
+        for the job, reopen failed or parked stages, reopen the job, and write the first
+        stage's input event to the outbox.
+
+        ``plan(job, stage_rows) -> (OutboxMessage, stages, groups, event_types)`` decides where
+        to restart: the event to write (of generation ``job["generation"] + 1``: the job's new
+        generation), the stages to reopen and the (group, event type) rows to forget.
+        Succeeded stages keep their checkpoints: they are re-emitted, not redone, unless
+        their code version changed. Returns the job's previous status. Raises ``KeyError`` (no
+        such job) or ``ValueError`` (status not in ``allowed``).
+        """
+        with self.tx() as conn:
+            job = conn.execute(Q["get_job_for_update"], (job_id,)).fetchone()
+            if job is None:
+                raise KeyError(f"no job {job_id}")
+            if job["status"] not in allowed:
+                raise ValueError(f"job {job_id} is {job['status']}; redrive needs one of "
+                                 f"{list(allowed)}")
+            rows = {r["stage"]: r for r in conn.execute(Q["list_stages"], (job_id,))}
+            msg, stages, groups, event_types = plan(dict(job), rows)
+            conn.execute(Q["forget_processed"], (job["dedup_key"], groups, event_types))
+            conn.execute(Q["reopen_stages"], (job_id, list(stages)))
+            conn.execute(Q["reopen_job"], (job["generation"] + 1, job_id))
+            self.add_outbox(conn, msg)
+            return str(job["status"])
+
+    def fail_parked(self, job_id: uuid.UUID, *, error_code: str, error: str,
+                    failed_msg: OutboxMessage) -> None:
+        """Resolve a parked job as failed (ONE transaction, with the ``job.failed`` outbox row).
+        Raises ``ValueError`` when the job is not ``needs_reconciliation``."""
+        with self.tx() as conn:
+            job = conn.execute(Q["get_job_for_update"], (job_id,)).fetchone()
+            if job is None or job["status"] != "needs_reconciliation":
+                raise ValueError(f"job {job_id} does not need reconciliation")
+            conn.execute(Q["fail_parked_stage"], (error_code, error, job_id))
+            conn.execute(Q["fail_job"], (error_code, error, job_id))
+            self.add_outbox(conn, failed_msg)
+
+    def parked_jobs(self) -> list[dict[str, Any]]:
+        """Jobs in ``needs_reconciliation`` with their count of unknown-outcome attempts."""
+        with self.tx() as conn:
+            return list(conn.execute(Q["jobs_needing_reconciliation"]))
+
+    def expired_leases(self, grace_s: float) -> list[dict[str, Any]]:
+        """``(job_id, stage)`` of running stages whose lease expired over ``grace_s`` ago."""
+        with self.tx() as conn:
+            return list(conn.execute(Q["expired_leases"], (grace_s,)))
 
     def stage_output(self, job_id: uuid.UUID, stage: str) -> Any:
         """The output of a succeeded stage checkpoint (``None`` if not succeeded)."""

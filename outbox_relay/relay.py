@@ -12,6 +12,7 @@ Protocol (design.md, "Outbox relay"):
    ``flush()``, and check every delivery report.
 4. Only then mark the delivered rows published. A crash between 3 and 4 re-publishes the batch:
    that is the at-least-once side, absorbed by idempotent consumers.
+6. The active relay also runs the stuck-stage sweeper (``jobstream.stages.sweep``).
 5. Wake on ``LISTEN outbox_v1`` (a NOTIFY is sent by a trigger at commit); fall back to polling
    every ``relay_poll_interval_s``. Published rows older than ``outbox_retention_s`` are deleted
    every few minutes so the table does not bloat.
@@ -64,6 +65,7 @@ class OutboxRelay:
         self.stats = RelayStats()
         self._stop = threading.Event()
         self._producer = Producer(producer_config(settings, **{"client.id": "jobstream-relay"}))
+        self._ctx: Any = None  # StageContext of the sweeper, made on first use
 
     def stop(self, *_: Any) -> None:
         """Ask the relay loop to finish its current batch and return."""
@@ -120,10 +122,24 @@ class OutboxRelay:
             self._stop.wait(2.0)
         return False
 
+    def _sweep(self) -> None:
+        """Run the stuck-stage sweeper (the active relay is the one process that does)."""
+        from jobstream.errors import RetryableError
+        from jobstream.stages import StageContext, sweep
+        from jobstream.store import Store
+        if self._ctx is None:
+            self._ctx = StageContext(self.settings, Store(self.settings.database_url,
+                                                          max_size=2))
+        try:
+            for action in sweep(self._ctx):
+                log.warning("sweeper: %s", action)
+        except RetryableError as exc:
+            log.warning("sweeper skipped: %s", exc)
+
     def run(self) -> RelayStats:
         """Relay until stopped. Reconnects to Postgres with backoff; never marks a row
         published before its delivery report."""
-        last_gc = 0.0
+        last_gc = last_sweep = 0.0
         backoff = 0.5
         while not self._stop.is_set():
             try:
@@ -140,6 +156,9 @@ class OutboxRelay:
                             log.warning("delivery failed, will retry the batch: %s", exc)
                             self._stop.wait(1.0)
                             continue
+                        if time.monotonic() - last_sweep > self.settings.sweep_grace_s / 2:
+                            self._sweep()
+                            last_sweep = time.monotonic()
                         if time.monotonic() - last_gc > GC_EVERY_S:
                             with conn.transaction():
                                 conn.execute(Q["outbox_delete_published"],
@@ -155,6 +174,8 @@ class OutboxRelay:
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
         self._producer.flush(30)
+        if self._ctx is not None:
+            self._ctx.store.close()
         return self.stats
 
 

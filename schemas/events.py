@@ -159,6 +159,8 @@ class _Envelope(_Frozen):
 class _JobEnvelope(_Envelope):
     job_id: uuid.UUID
     dedup_key: Sha256Hex
+    generation: int = Field(0, ge=0, description="The job's redrive generation: a redrive "
+                            "starts a new one and events of older generations are ignored.")
 
 
 class DocumentUploaded(_Envelope):

@@ -50,8 +50,8 @@ VALUES (%s, %s, %s, %s, %s);
 -- name: insert_done_stage
 -- The intake checkpoint: the "uploaded" stage is done when the job exists.
 INSERT INTO job_stage (job_id, stage, status, attempt, input_hash, code_version, output,
-                       started_at, finished_at)
-VALUES (%s, %s, 'succeeded', 1, %s, %s, %s, now(), now());
+                       emitted, started_at, finished_at)
+VALUES (%s, %s, 'succeeded', 1, %s, %s, %s, %s, now(), now());
 
 -- ---------------------------------------------------------------- stages
 
@@ -66,7 +66,8 @@ SELECT * FROM job_stage WHERE job_id = %s AND stage = %s;
 
 -- name: claim_stage
 -- Claim a stage: a fresh run token (fencing token) and lease. Succeeds only when the stage is
--- new, pending, or running under an expired lease (a crashed or stuck run).
+-- new, pending, running under an expired lease (a crashed or stuck run), or succeeded under
+-- another code version (reached only by a redrive: normal redeliveries are duplicates).
 INSERT INTO job_stage (job_id, stage, status, attempt, run_token, lease_until, started_at)
 VALUES (%(job_id)s, %(stage)s, 'running', 1, %(run_token)s,
         now() + make_interval(secs => %(lease_s)s), now())
@@ -76,6 +77,8 @@ ON CONFLICT (job_id, stage) DO UPDATE
        error_code = NULL, error = NULL
  WHERE job_stage.status = 'pending'
     OR (job_stage.status = 'running' AND job_stage.lease_until < now())
+    OR (job_stage.status = 'succeeded'
+        AND job_stage.code_version IS DISTINCT FROM %(code_version)s)
 RETURNING attempt, run_token, lease_until;
 
 -- name: renew_lease
@@ -87,7 +90,8 @@ RETURNING lease_until;
 -- Fenced completion: zero rows means a newer run owns the stage; its caller rolls back.
 UPDATE job_stage
    SET status = 'succeeded', output = %(output)s, input_hash = %(input_hash)s,
-       code_version = %(code_version)s, cost_usd = %(cost_usd)s, lease_until = NULL,
+       code_version = %(code_version)s, cost_usd = %(cost_usd)s, emitted = %(emitted)s,
+       lease_until = NULL,
        finished_at = now(), updated_at = now()
  WHERE job_id = %(job_id)s AND stage = %(stage)s AND run_token = %(run_token)s
    AND status = 'running';
@@ -98,6 +102,60 @@ UPDATE job_stage
        finished_at = now(), updated_at = now()
  WHERE job_id = %(job_id)s AND stage = %(stage)s AND run_token = %(run_token)s
    AND status = 'running';
+
+-- name: reset_later_stages
+-- A stage that really re-ran invalidates every checkpoint after it.
+UPDATE job_stage SET status = 'pending', run_token = NULL, lease_until = NULL, updated_at = now()
+ WHERE job_id = %s AND stage = ANY(%s) AND status <> 'pending';
+
+-- name: park_stage
+-- Fenced: the run's provider call has an unknown outcome; wait for reconciliation.
+UPDATE job_stage
+   SET status = 'needs_reconciliation', error_code = %(error_code)s, error = %(error)s,
+       lease_until = NULL, updated_at = now()
+ WHERE job_id = %(job_id)s AND stage = %(stage)s AND run_token = %(run_token)s
+   AND status = 'running';
+
+-- name: park_job
+UPDATE job SET status = 'needs_reconciliation', error_code = %s, error = %s, updated_at = now()
+ WHERE job_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled');
+
+-- name: jobs_needing_reconciliation
+SELECT j.job_id, j.tenant_id, j.filename, j.lane, j.current_stage, j.error, j.updated_at,
+       (SELECT count(*) FROM provider_attempt a
+         WHERE a.job_id = j.job_id AND a.outcome = 'outcome_unknown') AS unknown_attempts
+  FROM job j WHERE j.status = 'needs_reconciliation' ORDER BY j.updated_at;
+
+-- name: list_stages
+SELECT stage, status, code_version, emitted, lease_until FROM job_stage WHERE job_id = %s;
+
+-- name: forget_processed
+-- A redrive makes the stage workers process the job's events again.
+DELETE FROM processed_event
+ WHERE dedup_key = %s AND consumer_group = ANY(%s) AND event_type = ANY(%s);
+
+-- name: reopen_stages
+UPDATE job_stage SET status = 'pending', run_token = NULL, lease_until = NULL,
+                     error_code = NULL, error = NULL, updated_at = now()
+ WHERE job_id = %s AND stage = ANY(%s) AND status IN ('failed', 'needs_reconciliation');
+
+-- name: reopen_job
+UPDATE job SET status = 'running', error_code = NULL, error = NULL, finished_at = NULL,
+               generation = %s, updated_at = now()
+ WHERE job_id = %s;
+
+-- name: fail_parked_stage
+UPDATE job_stage SET status = 'failed', error_code = %s, error = %s, updated_at = now()
+ WHERE job_id = %s AND status = 'needs_reconciliation';
+
+-- name: expired_leases
+-- Stages whose run died (lease expired long ago) while their job is still open: the sweeper
+-- re-drives them so a crash never leaves a job stuck.
+SELECT s.job_id, s.stage, s.run_token, s.attempt, s.lease_until FROM job_stage s
+  JOIN job j USING (job_id)
+ WHERE s.status = 'running' AND s.lease_until < now() - make_interval(secs => %s)
+   AND j.status IN ('queued', 'running')
+ ORDER BY s.lease_until LIMIT 100;
 
 -- name: advance_job
 UPDATE job SET status = 'running', current_stage = %s, cost_usd = cost_usd + %s,

@@ -1,7 +1,8 @@
 """Kafka plumbing shared by the relay, the consumers and the CLI: client configs and topics.
 
 Topic names are logical names plus ``Settings.topic_prefix``. Every consumed topic has a
-``<topic>.dlq`` twin; ``.retry`` topics arrive with the retry work.
+``<topic>.dlq`` twin (poison messages, with the reason in headers); every topic the stage
+workers consume also has a ``<topic>.retry`` twin (transient failures, with a not-before time).
 """
 
 from __future__ import annotations
@@ -22,9 +23,14 @@ CONSUMED_TOPICS = ("document.uploaded", "job.accepted", "job.text_extracted", "j
                    "job.llm_done", "job.validated", "job.ready")
 
 
+#: Topics the faust stage workers consume, hence with a ``.retry`` twin.
+STAGE_TOPICS = CONSUMED_TOPICS[:-1]
+
+
 def all_topics(settings: Settings) -> list[str]:
-    """Every topic jobstream uses (pipeline topics and their ``.dlq`` twins), prefixed."""
-    names = list(PIPELINE_TOPICS) + [f"{t}.dlq" for t in CONSUMED_TOPICS]
+    """Every topic jobstream uses (pipeline topics, ``.retry`` and ``.dlq`` twins), prefixed."""
+    names = (list(PIPELINE_TOPICS) + [f"{t}.retry" for t in STAGE_TOPICS]
+             + [f"{t}.dlq" for t in CONSUMED_TOPICS])
     return [settings.topic(n) for n in names]
 
 

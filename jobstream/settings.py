@@ -57,7 +57,25 @@ class Settings(BaseSettings):
     )
     provider_api_key: str | None = Field(None, description="Bearer key for the provider.")
     provider_timeout_s: float = Field(60.0, gt=0, description="Per-request timeout (seconds).")
-    provider_max_attempts: int = Field(5, ge=1, description="Attempts per provider call.")
+    provider_max_attempts: int = Field(
+        3, ge=1, description="In-process attempts per provider call before the stage event "
+                             "goes to the .retry topic."
+    )
+    provider_budget_attempts: int = Field(
+        10, ge=1, description="Budget: provider attempts per chunk over all retry rounds."
+    )
+    job_deadline_s: float = Field(
+        3600.0, gt=0, description="Budget: a job older than this fails instead of retrying "
+                                  "the provider (seconds)."
+    )
+    retry_in_place: int = Field(
+        2, ge=0, description="In-place retries of a transient failure before the .retry topic."
+    )
+    retry_rounds: int = Field(
+        8, ge=1, description="Rounds through the .retry topic before the job fails."
+    )
+    retry_base_s: float = Field(1.0, ge=0, description="Retry-topic backoff base (seconds).")
+    retry_cap_s: float = Field(300.0, ge=0, description="Retry-topic backoff cap (seconds).")
     provider_backoff_base_s: float = Field(0.5, ge=0, description="Backoff base (seconds).")
     provider_backoff_cap_s: float = Field(30.0, ge=0, description="Backoff cap (seconds).")
 

@@ -12,6 +12,7 @@ same message later; nothing was checkpointed) and :class:`PoisonMessage` (dead-l
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -215,34 +216,60 @@ def _chunk(ctx: StageContext, claim: Claim, ev: Any) -> StageResult:
         payload=ChunksReadyPayload(chunk_count=len(rows), chunks_sha256=digest))
 
 
+def _check_budget(ctx: StageContext, claim: Claim, chunk_idx: int) -> int:
+    """Enforce the job's provider budget: attempts per chunk (over every retry round) AND the
+    job's deadline AND its cost cap. Returns the number of the next attempt. Raises
+    :class:`PermanentError` ``retry_budget_exhausted``, ``deadline_exceeded`` or
+    ``cost_cap_exceeded``."""
+    s = ctx.settings
+    job = claim.job
+    done = ctx.store.chunk_attempts(job["job_id"], claim.stage, chunk_idx)
+    if done >= s.provider_budget_attempts:
+        raise PermanentError(f"chunk {chunk_idx}: {done} provider attempts, budget "
+                             f"{s.provider_budget_attempts}", code="retry_budget_exhausted")
+    age_s = time.time() - job["created_at"].timestamp()
+    if age_s > s.job_deadline_s:
+        raise PermanentError(f"job is {age_s:.0f}s old, deadline {s.job_deadline_s:.0f}s",
+                             code="deadline_exceeded")
+    spent = ctx.store.job_provider_cost(job["job_id"])
+    if spent >= s.provider_cost_cap_usd and (spent > 0 or s.provider_cost_cap_usd == 0):
+        raise PermanentError(f"provider cost cap reached: {spent:.6f} USD spent, cap "
+                             f"{s.provider_cost_cap_usd:.6f} USD", code="cost_cap_exceeded")
+    return done + 1
+
+
 def _call_provider(ctx: StageContext, claim: Claim, profile: ModelProfile, prompt: str,
                    chunk: dict[str, Any]) -> tuple[dict[str, Any], int]:
-    """One chunk through the provider under the budget: attempts AND deadline (seconds).
+    """One chunk through the provider: up to ``provider_max_attempts`` in-process attempts
+    (within ``provider_deadline_s`` seconds) with full-jitter backoff honouring Retry-After,
+    each checked against the job's budget (:func:`_check_budget`).
 
     Every attempt is a ``provider_attempt`` row committed before the request is sent. Returns
-    ``(model output, attempt_id)``. Raises :class:`PermanentError` (including an exhausted
-    budget, code ``retry_budget_exhausted``).
+    ``(model output, attempt_id)``. Raises :class:`PermanentError` (provider said no, or the
+    budget is spent), :class:`NeedsReconciliation` (unknown outcome, lane policy
+    ``reconcile``) or :class:`RetryableError` ``provider_unavailable`` when the in-process
+    attempts ran out (the stage event then goes through the ``.retry`` topic).
     """
     s = ctx.settings
     client = ctx.client(profile)
     deadline = time.monotonic() + s.provider_deadline_s
     policy = s.outcome_unknown_policy.get(claim.job["lane"], "retry")
     last: Exception | None = None
-    for attempt in range(1, s.provider_max_attempts + 1):
+    retry_after: float | None = None
+    for round_attempt in range(1, s.provider_max_attempts + 1):
         ctx.store.renew_lease(claim, s.lease_s)
-        spent, _ = ctx.store.stage_provider_cost(claim.job["job_id"], claim.stage)
-        if spent >= s.provider_cost_cap_usd > 0 or (s.provider_cost_cap_usd == 0 and spent > 0):
-            raise PermanentError(f"provider cost cap reached: {spent:.6f} USD spent, cap "
-                                 f"{s.provider_cost_cap_usd:.6f} USD", code="cost_cap_exceeded")
+        attempt = _check_budget(ctx, claim, chunk["idx"])
         attempt_id = ctx.store.start_attempt(claim, chunk_idx=chunk["idx"], attempt=attempt,
                                              model=client.model)
         try:
             done = client.complete(prompt, chunk["text"],
                                    idempotency_key=f"{claim.job['job_id']}:{chunk['idx']}")
         except RetryableError as exc:
-            ctx.store.finish_attempt(attempt_id, outcome="transient_error", error=str(exc))
-            wait = max(exc.retry_after_s or 0.0,
-                       backoff_s(attempt - 1, s.provider_backoff_base_s, s.provider_backoff_cap_s))
+            ctx.store.finish_attempt(attempt_id, outcome="transient_error", error=str(exc),
+                                     status_code=_status_of(exc))
+            retry_after = exc.retry_after_s
+            wait = max(retry_after or 0.0, backoff_s(round_attempt - 1, s.provider_backoff_base_s,
+                                                     s.provider_backoff_cap_s))
             last = exc
         except OutcomeUnknown as exc:
             # Never recorded as a failure: the provider may have done (and billed) the work.
@@ -250,7 +277,8 @@ def _call_provider(ctx: StageContext, claim: Claim, profile: ModelProfile, promp
             if policy != "retry":
                 raise NeedsReconciliation(f"chunk {chunk['idx']}: {exc}") from None
             # Interactive: retry (the Idempotency-Key header lets a provider dedupe it).
-            wait = backoff_s(attempt - 1, s.provider_backoff_base_s, s.provider_backoff_cap_s)
+            wait = backoff_s(round_attempt - 1, s.provider_backoff_base_s,
+                             s.provider_backoff_cap_s)
             last = exc
         except PermanentError as exc:
             ctx.store.finish_attempt(attempt_id, outcome="permanent_error", error=str(exc),
@@ -263,16 +291,13 @@ def _call_provider(ctx: StageContext, claim: Claim, profile: ModelProfile, promp
                                      prompt_tokens=done.prompt_tokens,
                                      completion_tokens=done.completion_tokens, cost_usd=cost)
             return done.content, attempt_id
-        if attempt == s.provider_max_attempts:
-            break
-        if time.monotonic() + wait > deadline:
-            last = RetryableError(f"deadline of {s.provider_deadline_s}s reached; last: {last}")
+        if round_attempt == s.provider_max_attempts or time.monotonic() + wait > deadline:
             break
         log.info("provider attempt %d for job %s chunk %d failed (%s); retrying in %.2fs",
                  attempt, claim.job["job_id"], chunk["idx"], last, wait)
         time.sleep(wait)
-    raise PermanentError(f"provider retry budget exhausted after {attempt} attempts: {last}",
-                         code="retry_budget_exhausted")
+    raise RetryableError(f"provider still failing after {round_attempt} attempts: {last}",
+                         code="provider_unavailable", retry_after_s=retry_after)
 
 
 def _status_of(exc: Exception) -> int | None:
@@ -434,7 +459,13 @@ def run_stage(ctx: StageContext, ev: Any) -> str:
     common["idempotency_key"] = claim.job["idempotency_key"]
     later = STAGES[STAGES.index(spec.stage) + 1:]
     try:
-        result = spec.work(ctx, claim, ev)
+        try:
+            result = spec.work(ctx, claim, ev)
+        except (RetryableError, OutcomeUnknown) as exc:
+            # Give the stage back so the retry claims it at once; then let the caller retry.
+            with contextlib.suppress(RetryableError):
+                ctx.store.release(claim, error_code=exc.code, error=str(exc))
+            raise
         next_event = spec.emits(**common, payload=result.payload)
         ctx.store.complete(claim, output=result.output, input_hash=result.input_hash,
                            code_version=result.code_version, cost_usd=result.cost_usd,
@@ -531,6 +562,24 @@ def reconcile(ctx: StageContext, job_id: uuid.UUID, resolution: str) -> str:
                               failed_msg=_msg(ctx, ev))
         return f"job {job_id} failed"
     raise ValueError(f"resolution must be retry or fail, not {resolution!r}")
+
+
+def give_up(ctx: StageContext, ev: Any, error_code: str, error: str) -> bool:
+    """Fail the job of a stage event whose retry budget is spent (``job.failed``). Returns False
+    when the job was already terminal. Raises :class:`RetryableError` if Postgres is down."""
+    spec = SPECS[ev.event_type]
+    job = ctx.store.job(ev.job_id)
+    if job is None:
+        return False
+    failed = JobFailed(tenant_id=ev.tenant_id, idempotency_key=job["idempotency_key"],
+                       request_id=ev.request_id, job_id=ev.job_id, dedup_key=ev.dedup_key,
+                       generation=ev.generation,
+                       payload=JobFailedPayload(stage=spec.stage, error_code=error_code,
+                                                error=error[:4000]))
+    return ctx.store.give_up(job_id=ev.job_id, stage=spec.stage, error_code=error_code,
+                             error=error, group=ctx.group(spec.stage), event_type=ev.event_type,
+                             event_id=ev.event_id, dedup_key=ev.dedup_key,
+                             failed_msg=_msg(ctx, failed))
 
 
 def sweep(ctx: StageContext) -> list[str]:

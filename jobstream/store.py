@@ -299,6 +299,45 @@ class Store:
             conn.execute(Q["record_processed"], (group, claim.job["dedup_key"], event_type,
                                                  event_id, job_id))
 
+    def release(self, claim: Claim, *, error_code: str, error: str) -> None:
+        """Give a stage back after a transient failure (fenced; no-op if fenced off)."""
+        with self.tx() as conn:
+            conn.execute(Q["release_stage"], {"error_code": error_code, "error": error[:4000],
+                                              "job_id": claim.job["job_id"],
+                                              "stage": claim.stage,
+                                              "run_token": claim.run_token})
+
+    def give_up(self, *, job_id: uuid.UUID, stage: str, error_code: str, error: str,
+                group: str, event_type: str, event_id: uuid.UUID, dedup_key: str,
+                failed_msg: OutboxMessage) -> bool:
+        """Fail an open job whose stage event exhausted its retry budget (ONE transaction,
+        with ``job.failed``). Returns False when the job was already terminal."""
+        with self.tx() as conn:
+            job = conn.execute(Q["get_job_for_update"], (job_id,)).fetchone()
+            if job is None or job["status"] in TERMINAL:
+                return False
+            conn.execute(Q["fail_open_job"], (error_code, error[:4000], job_id, stage))
+            conn.execute(Q["fail_job"], (error_code, error[:4000], job_id))
+            self.add_outbox(conn, failed_msg)
+            conn.execute(Q["record_processed"], (group, dedup_key, event_type, event_id,
+                                                 job_id))
+            return True
+
+    def chunk_attempts(self, job_id: uuid.UUID, stage: str, chunk_idx: int) -> int:
+        """How many provider attempts a chunk had, over all runs and retry rounds."""
+        with self.tx() as conn:
+            row = conn.execute(Q["count_provider_attempts"], (job_id, stage, chunk_idx)
+                               ).fetchone()
+        assert row is not None
+        return int(row["n"])
+
+    def job_provider_cost(self, job_id: uuid.UUID) -> float:
+        """Provider cost of every attempt of a job (USD)."""
+        with self.tx() as conn:
+            row = conn.execute(Q["job_provider_cost"], (job_id,)).fetchone()
+        assert row is not None
+        return float(row["cost_usd"])
+
     def park(self, claim: Claim, *, error_code: str, error: str, group: str, event_type: str,
              event_id: uuid.UUID) -> None:
         """Park the stage and the job in ``needs_reconciliation`` (ONE fenced transaction): a

@@ -1,10 +1,27 @@
-"""The shared body of every stage agent: decode, run, dead-letter, retry in place."""
+"""The shared body of every stage agent: decode, run, dead-letter, retry.
+
+Routing (style.md lesson 4: agents stay thin, failures are routed explicitly):
+
+- poison (undecodable, schema-violating, wrong type, rejected by the handler) -> ``<topic>.dlq``
+  with ``dlq_reason_code``, ``dlq_reason`` and the original topic/partition/offset in headers;
+- transient (:class:`RetryableError`, :class:`OutcomeUnknown`): retried in place
+  ``retry_in_place`` times with full-jitter backoff (a Postgres blip), then sent to
+  ``<topic>.retry`` with ``retry_count`` and ``retry_not_before_ms`` headers and acked, so the
+  partition moves on. A retry agent re-runs it after the not-before time; after
+  ``retry_rounds`` rounds the job fails (``retry_budget_exhausted``) and the message is
+  dead-lettered for inspection;
+- a bug (any other exception) -> dead-lettered with reason ``unhandled``, never a crash loop.
+
+faust acks an event when the agent takes the next one, so the offset commit always follows the
+stage's Postgres transaction (or the retry/DLQ produce, which is awaited until acknowledged).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -12,15 +29,13 @@ import faust
 
 from jobstream import faults
 from jobstream.errors import OutcomeUnknown, PoisonMessage, RetryableError
-from jobstream.stages import StageContext
+from jobstream.stages import StageContext, give_up
 from schemas.events import decode_event
 
 log = logging.getLogger("jobstream.streams")
 
-#: In-place retry of transient failures (Postgres restarting, a checkpoint not visible yet):
-#: full-jitter backoff, capped (seconds). The message is never acked while it is retried.
-RETRY_BASE_S = 0.5
-RETRY_CAP_S = 15.0
+IN_PLACE_BASE_S = 0.5
+IN_PLACE_CAP_S = 5.0
 
 
 def dlq_headers(reason_code: str, reason: str, topic: str, partition: int,
@@ -35,58 +50,115 @@ def dlq_headers(reason_code: str, reason: str, topic: str, partition: int,
     }
 
 
+def _header(event: faust.EventT, name: str) -> str | None:
+    headers = event.message.headers or {}
+    items = headers.items() if isinstance(headers, dict) else headers
+    for k, v in items:
+        if k == name:
+            return v.decode() if isinstance(v, bytes) else str(v)
+    return None
+
+
+def retry_delay_s(round_no: int, base_s: float, cap_s: float, retry_after_s: float | None
+                  ) -> float:
+    """Delay before retry round ``round_no`` (1-based): full-jitter exponential backoff
+    (Brooker 2015), never shorter than the provider's Retry-After (seconds)."""
+    jitter = random.uniform(0, min(cap_s, base_s * 2 ** (round_no - 1)))
+    return max(retry_after_s or 0.0, jitter)
+
+
 def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consumes: str,
                          handler: Callable[[StageContext, Any], Any]) -> Any:
-    """Register one agent on topic ``consumes`` (logical name) running ``handler(ctx, event)``.
-
-    Poison messages (undecodable, schema-violating, wrong type, or rejected by the handler as
-    :class:`PoisonMessage`) go to ``<topic>.dlq`` with the reason in headers; then the agent
-    moves on. :class:`RetryableError` / :class:`OutcomeUnknown` retry the same message in place.
-    An unexpected exception also dead-letters the message (reason ``unhandled``) rather than
-    crash-looping the partition.
-    """
-    topic = app.topic(ctx.settings.topic(consumes), value_serializer="raw",
-                      key_serializer="raw", partitions=ctx.settings.topic_partitions)
-    dlq = app.topic(ctx.settings.topic(consumes + ".dlq"), value_serializer="raw",
-                    key_serializer="raw", partitions=ctx.settings.topic_partitions)
+    """Register the agent of topic ``consumes`` (logical name) running ``handler(ctx, event)``,
+    and its retry agent on ``<consumes>.retry``. Returns the main agent."""
+    s = ctx.settings
+    kw: dict[str, Any] = {"value_serializer": "raw", "key_serializer": "raw",
+                          "partitions": s.topic_partitions}
+    topic = app.topic(s.topic(consumes), **kw)
+    retry_topic = app.topic(s.topic(consumes + ".retry"), **kw)
+    dlq = app.topic(s.topic(consumes + ".dlq"), **kw)
 
     async def dead_letter(event: faust.EventT, code: str, reason: str) -> None:
         msg = event.message
+        src_topic = _header(event, "retry_original_topic") or msg.topic
         log.warning("dead-lettering %s[%d]@%d: %s: %s", msg.topic, msg.partition, msg.offset,
                     code, reason)
-        fut = await dlq.send(key=msg.key, value=msg.value,
-                             headers=dlq_headers(code, reason, msg.topic, msg.partition,
-                                                 msg.offset))
-        await fut  # delivered (acks=all) before the original is acked
+        headers = dlq_headers(code, reason, src_topic, msg.partition, msg.offset)
+        fut = await dlq.send(key=msg.key, value=msg.value, headers=headers)
+        await fut  # acknowledged by the broker before the original is acked
+
+    async def to_retry(event: faust.EventT, exc: Exception, round_no: int) -> None:
+        delay = retry_delay_s(round_no, s.retry_base_s, s.retry_cap_s,
+                              getattr(exc, "retry_after_s", None))
+        msg = event.message
+        headers = {
+            "retry_count": str(round_no).encode(),
+            "retry_not_before_ms": str(int((time.time() + delay) * 1000)).encode(),
+            "retry_reason": f"{type(exc).__name__}: {exc}"[:2000].encode(),
+            "retry_original_topic": (_header(event, "retry_original_topic")
+                                     or msg.topic).encode(),
+        }
+        log.warning("%s: transient failure (%s); retry round %d in %.1fs via %s", name, exc,
+                    round_no, delay, s.topic(consumes + ".retry"))
+        fut = await retry_topic.send(key=msg.key, value=msg.value, headers=headers)
+        await fut
+
+    async def process(event: faust.EventT, round_no: int) -> None:
+        """Run one message: round 0 from the main topic, round N>=1 from the retry topic."""
+        try:
+            ev = decode_event(event.message.value, expected=consumes)
+        except PoisonMessage as exc:
+            await dead_letter(event, exc.code, str(exc))
+            return
+        attempt = 0
+        while True:
+            try:
+                outcome = await asyncio.to_thread(handler, ctx, ev)
+                log.info("%s %s job=%s round=%d -> %s", name, ev.event_type,
+                         getattr(ev, "job_id", "-"), round_no, outcome)
+                return
+            except PoisonMessage as exc:
+                await dead_letter(event, exc.code, str(exc))
+                return
+            except (RetryableError, OutcomeUnknown) as exc:
+                if attempt < s.retry_in_place:
+                    attempt += 1
+                    wait = random.uniform(0, min(IN_PLACE_CAP_S, IN_PLACE_BASE_S * 2 ** attempt))
+                    log.warning("%s: transient failure (%s), in-place retry %d in %.1fs", name,
+                                exc, attempt, wait)
+                    await asyncio.sleep(wait)
+                    continue
+                if round_no + 1 > s.retry_rounds:
+                    reason = f"retry budget exhausted after {round_no} rounds: {exc}"
+                    if hasattr(ev, "job_id"):
+                        try:
+                            await asyncio.to_thread(give_up, ctx, ev, "retry_budget_exhausted",
+                                                    reason)
+                        except RetryableError as db_exc:
+                            log.error("%s: could not fail job %s: %s", name, ev.job_id, db_exc)
+                    await dead_letter(event, "retry_budget_exhausted", reason)
+                    return
+                await to_retry(event, exc, round_no + 1)
+                return
+            except Exception as exc:  # a bug must not crash-loop the partition
+                log.exception("%s: unhandled error; dead-lettering", name)
+                await dead_letter(event, "unhandled", f"{type(exc).__name__}: {exc}")
+                return
 
     async def agent(stream: faust.StreamT) -> None:
         async for event in stream.events():
-            try:
-                ev = decode_event(event.message.value, expected=consumes)
-            except PoisonMessage as exc:
-                await dead_letter(event, exc.code, str(exc))
-                continue
-            attempt = 0
-            while True:
-                try:
-                    outcome = await asyncio.to_thread(handler, ctx, ev)
-                    log.info("%s %s job=%s -> %s", name, ev.event_type,
-                             getattr(ev, "job_id", "-"), outcome)
-                    break
-                except PoisonMessage as exc:
-                    await dead_letter(event, exc.code, str(exc))
-                    break
-                except (RetryableError, OutcomeUnknown) as exc:
-                    wait = random.uniform(0, min(RETRY_CAP_S, RETRY_BASE_S * 2 ** attempt))
-                    attempt += 1
-                    log.warning("%s: transient failure (%s), retry %d in %.1fs", name, exc,
-                                attempt, wait)
-                    await asyncio.sleep(wait)
-                except Exception as exc:  # a bug must not crash-loop the partition
-                    log.exception("%s: unhandled error; dead-lettering", name)
-                    await dead_letter(event, "unhandled", f"{type(exc).__name__}: {exc}")
-                    break
+            await process(event, 0)
             faults.point("stage_after_commit_before_offset")
 
+    async def retry_agent(stream: faust.StreamT) -> None:
+        async for event in stream.events():
+            not_before = int(_header(event, "retry_not_before_ms") or 0) / 1000
+            wait = not_before - time.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            await process(event, int(_header(event, "retry_count") or 1))
+
     agent.__name__ = name
+    retry_agent.__name__ = f"{name}_retry"
+    app.agent(retry_topic, name=f"{name}_retry", concurrency=1)(retry_agent)
     return app.agent(topic, name=name, concurrency=1)(agent)

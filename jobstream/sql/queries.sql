@@ -108,6 +108,21 @@ UPDATE job_stage
 UPDATE job_stage SET status = 'pending', run_token = NULL, lease_until = NULL, updated_at = now()
  WHERE job_id = %s AND stage = ANY(%s) AND status <> 'pending';
 
+-- name: release_stage
+-- Fenced: a run that hit a transient failure gives the stage back so a retry can claim it
+-- at once instead of waiting for the lease to expire.
+UPDATE job_stage
+   SET status = 'pending', run_token = NULL, lease_until = NULL, error_code = %(error_code)s,
+       error = %(error)s, updated_at = now()
+ WHERE job_id = %(job_id)s AND stage = %(stage)s AND run_token = %(run_token)s
+   AND status = 'running';
+
+-- name: fail_open_job
+-- Give up on a job whose stage event exhausted the retry budget (no run owns the stage).
+UPDATE job_stage SET status = 'failed', error_code = %s, error = %s, lease_until = NULL,
+                     updated_at = now()
+ WHERE job_id = %s AND stage = %s AND status IN ('pending', 'running');
+
 -- name: park_stage
 -- Fenced: the run's provider call has an unknown outcome; wait for reconciliation.
 UPDATE job_stage
@@ -213,6 +228,9 @@ UPDATE provider_attempt
 
 -- name: count_provider_attempts
 SELECT count(*) AS n FROM provider_attempt WHERE job_id = %s AND stage = %s AND chunk_idx = %s;
+
+-- name: job_provider_cost
+SELECT coalesce(sum(cost_usd), 0)::float8 AS cost_usd FROM provider_attempt WHERE job_id = %s;
 
 -- ---------------------------------------------------------------- idempotent consumer
 

@@ -194,3 +194,38 @@ def test_validator_bump_reruns_only_validation_and_a_new_prompt_is_a_new_computa
     applied = query(settings.database_url, "SELECT dedup_key, count(*) AS n FROM "
                     "downstream.document_analysis GROUP BY dedup_key")
     assert sorted(a["n"] for a in applied) == [1, 1]
+
+
+def test_failures_outliving_in_process_backoff_go_through_the_retry_topic(
+        settings: Settings, procs: ProcessRunner, fake: FakeProvider) -> None:
+    fake.set_script({"sequence": [{"status": 503}] * 3})
+    procs.pipeline(**_env(fake, JOBSTREAM_PROVIDER_MAX_ATTEMPTS="2", JOBSTREAM_RETRY_IN_PLACE="0",
+                          JOBSTREAM_RETRY_BASE_S="0.5"))
+    _submit(settings, "BSD", "k")
+    wait_for(lambda: _status(settings, "k") == "succeeded", 90, "success", procs.logs)
+    job = _job(settings, "k")
+    assert [a["outcome"] for a in _attempts(settings, job["job_id"])] == [
+        "transient_error", "transient_error", "transient_error", "succeeded"]
+    retried = read_topic(settings, settings.topic("job.chunks_ready.retry"))
+    assert len(retried) == 1
+    h = dict(retried[0].headers())
+    assert h["retry_count"] == b"1" and int(h["retry_not_before_ms"]) > 0
+    assert h["retry_original_topic"].decode() == settings.topic("job.chunks_ready")
+    assert b"provider" in h["retry_reason"]
+    _agree(fake, settings, job["job_id"])
+
+
+def test_an_exhausted_retry_budget_fails_the_job_with_the_reason(
+        settings: Settings, procs: ProcessRunner, fake: FakeProvider) -> None:
+    fake.set_script({"default": {"status": 503}})
+    procs.pipeline(**_env(fake, JOBSTREAM_PROVIDER_MAX_ATTEMPTS="2", JOBSTREAM_RETRY_IN_PLACE="0",
+                          JOBSTREAM_RETRY_BASE_S="0.2", JOBSTREAM_PROVIDER_BUDGET_ATTEMPTS="4"))
+    _submit(settings, "BSD", "k")
+    wait_for(lambda: _status(settings, "k") == "failed", 90, "failure", procs.logs)
+    job = _job(settings, "k")
+    assert job["error_code"] == "retry_budget_exhausted"
+    assert fake.snapshot()["total"] == 4  # the budget is a hard bound on calls
+    _agree(fake, settings, job["job_id"])
+    failed = wait_for(lambda: read_topic(settings, settings.topic("job.failed")), 30,
+                      "job.failed")
+    assert json.loads(failed[0].value())["payload"]["error_code"] == "retry_budget_exhausted"

@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from contextlib import closing, contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -93,7 +93,7 @@ class DeadLetter:
     key: bytes | None
     value: bytes | None
     value_size: int
-    headers: tuple[tuple[str, bytes], ...]
+    headers: tuple[tuple[str, bytes | None], ...]
 
     def header(self, name: str) -> str | None:
         """The last header ``name`` as text (undecodable bytes escaped), or ``None``."""
@@ -165,7 +165,8 @@ def _dead_letter(msg: Message, keep_value_bytes: int | None) -> DeadLetter:
         timestamp_ms=ts if ts_type else None, key=msg.key(),
         value=value if value is None or keep_value_bytes is None else value[:keep_value_bytes],
         value_size=-1 if value is None else len(value),
-        headers=tuple(msg.headers() or ()))
+        headers=tuple((str(k), v.encode() if isinstance(v, str) else v)
+                      for k, v in list(msg.headers() or [])))
 
 
 def _reader_config(settings: Settings, group: str) -> dict[str, Any]:
@@ -214,7 +215,7 @@ def _watermarks(consumer: Consumer, topic: str,
 
 def _read(consumer: Consumer, topic: str, starts: dict[int, int], ends: dict[int, int], *,
           keep_value_bytes: int | None = None, idle_timeout_s: float = 30.0,
-          ) -> Iterator[DeadLetter]:
+          ) -> Generator[DeadLetter, None, None]:
     """Yield the messages of ``topic`` at offsets ``[starts[p], ends[p])`` of each partition,
     each partition in offset order (partitions interleaved).
 
@@ -245,7 +246,7 @@ def _read(consumer: Consumer, topic: str, starts: dict[int, int], ends: dict[int
                     log.warning("reading %s: %s", topic, err)
                 continue
             p, o = msg.partition(), msg.offset()
-            if p not in todo or o >= ends[p]:
+            if p is None or o is None or p not in todo or o >= ends[p]:
                 continue
             deadline = time.monotonic() + idle_timeout_s
             yield _dead_letter(msg, keep_value_bytes)
@@ -372,10 +373,11 @@ def unreplayable_reason(dl: DeadLetter, original_topic: str) -> str | None:
     return None
 
 
-def replay_headers(dl: DeadLetter) -> list[tuple[str, bytes]]:
+def replay_headers(dl: DeadLetter) -> list[tuple[str, str | bytes | None]]:
     """Headers of the re-produced copy: the DLQ message's headers minus the ``dlq_*`` ones, plus
     :data:`REPLAYED_FROM_HEADER`."""
-    kept = [(k, v) for k, v in dl.headers if not k.startswith("dlq_")]
+    kept: list[tuple[str, str | bytes | None]] = [
+        (k, v) for k, v in dl.headers if not k.startswith("dlq_")]
     return [*kept, (REPLAYED_FROM_HEADER, dl.ref.encode())]
 
 
@@ -464,6 +466,12 @@ class _Replayer:
             self.producer = Producer(producer_config(
                 self.settings, **{"client.id": self.settings.group(REPLAY_GROUP)}))
         results: dict[int, tuple[KafkaError | None, Message | None]] = {}
+
+        def report_to(i: int) -> Any:
+            def on_delivery(err: KafkaError | None, msg: Message) -> None:
+                results[i] = (err, msg)
+            return on_delivery
+
         for i, dl in enumerate(batch):
             part = dl.original_partition
             if part is None or not 0 <= part < self.source_partitions:
@@ -473,7 +481,7 @@ class _Replayer:
                     self.producer.produce(
                         self.report.original_topic, value=dl.value, key=dl.key,
                         partition=part, headers=replay_headers(dl),
-                        on_delivery=lambda err, msg, i=i: results.__setitem__(i, (err, msg)))
+                        on_delivery=report_to(i))
                     break
                 except BufferError:
                     self.producer.poll(0.1)  # local queue full: serve callbacks, then retry

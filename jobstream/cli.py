@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import click
 from rich.console import Console
@@ -204,6 +205,128 @@ def sweep() -> None:
     from jobstream.stages import sweep as do_sweep
     for line in do_sweep(_ctx()) or ["nothing to sweep"]:
         click.echo(line)
+
+
+@main.group()
+def dlq() -> None:
+    """Inspect and replay dead-lettered messages (the <topic>.dlq topics)."""
+
+
+def _fail(exc: Exception) -> NoReturn:
+    """Print a jobstream error (``code: message``) to stderr and exit 1."""
+    from jobstream.errors import JobstreamError
+    code = exc.code if isinstance(exc, JobstreamError) else type(exc).__name__
+    click.echo(f"error: {code}: {exc}", err=True)
+    sys.exit(1)
+
+
+def _logical_topic(topic: str | None) -> None:
+    """Reject a DLQ name where the logical topic is expected (a usage error, exit 2)."""
+    if topic is not None and topic.endswith(".dlq"):
+        raise click.BadParameter(f"give the logical topic: {topic.removesuffix('.dlq')!r}",
+                                 param_hint="--topic")
+
+
+@dlq.command("list")
+@click.option("--topic", metavar="LOGICAL_TOPIC",
+              help="Show the DLQ of this topic, e.g. document.uploaded (default: every DLQ).")
+@click.option("--limit", default=100, show_default=True, type=click.IntRange(min=1),
+              help="At most N messages per DLQ topic, oldest first.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (one array) instead of a table.")
+def dlq_list(topic: str | None, limit: int, as_json: bool) -> None:
+    """Show dead-lettered messages: position, reason, origin, key, first bytes of the value.
+
+    Read-only: the reader is assigned partitions and never commits, so no consumer group's
+    offsets move.
+    """
+    import json
+
+    from jobstream import dlq as dlq_mod
+    from jobstream.errors import JobstreamError
+    _logical_topic(topic)
+    try:
+        rows = [d.to_dict() for d in dlq_mod.list_dead_letters(get_settings(), topic,
+                                                               limit=limit)]
+    except (JobstreamError, ValueError) as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    prefix = get_settings().topic_prefix
+
+    def short(name: str | None) -> str:
+        return name[len(prefix):] if name and prefix and name.startswith(prefix) else name or "?"
+    t = Table(title=f"dead letters ({len(rows)})" + (f", prefix {prefix!r}" if prefix else ""))
+    t.add_column("dlq message", no_wrap=True)
+    t.add_column("reason code", no_wrap=True)
+    t.add_column("reason", overflow="fold", ratio=3)
+    t.add_column("from", overflow="fold")
+    t.add_column("key", overflow="fold")
+    t.add_column("value", overflow="fold", ratio=2)
+    for r in rows:
+        t.add_row(f"{short(r['dlq_topic'])}[{r['partition']}]@{r['offset']}",
+                  r["dlq_reason_code"] or "?", (r["dlq_reason"] or "")[:160],
+                  f"{short(r['original_topic'])}[{r['original_partition']}]"
+                  f"@{r['original_offset']}",
+                  r["key"] or "", (r["value_head"] or "")[:48])
+    Console().print(t)
+
+
+@dlq.command("replay")
+@click.option("--topic", metavar="LOGICAL_TOPIC", required=True,
+              help="Replay <LOGICAL_TOPIC>.dlq back to LOGICAL_TOPIC, e.g. document.uploaded.")
+@click.option("--reason-code", "reason_codes", multiple=True, metavar="CODE",
+              help="Replay only messages with this dlq_reason_code (repeatable; default: all).")
+@click.option("--limit", type=click.IntRange(min=1), help="Replay at most N messages.")
+@click.option("--dry-run", is_flag=True,
+              help="Show what would be replayed; produce, record and commit nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def dlq_replay(topic: str, reason_codes: tuple[str, ...], limit: int | None, dry_run: bool,
+               as_json: bool) -> None:
+    """Re-produce dead-lettered messages (original key and bytes) to their original topic.
+
+    Each copy goes to its original topic and partition through an idempotent producer, with the
+    header dlq_replayed_from=<dlq topic>:<partition>:<offset>. A message is recorded in the
+    dlq_replay table only after the broker acknowledged its copy, and a recorded message is
+    never replayed again: each message is replayed at most once per successful run, and running
+    replay twice replays nothing new. (A crash between the acknowledgement and the record
+    replays that message once more on the next run; the consumers' idempotency records
+    absorb the copy.)
+
+    Messages left out by --reason-code or --limit stay replayable by a later run. The consumer
+    group <prefix>jobstream-dlq-replay commits, per DLQ partition, the first offset not yet
+    replayed (after the produce was acknowledged); later runs start reading there. One replay
+    per DLQ topic runs at a time. Exit code 1 when a delivery failed or on an error.
+    """
+    import json
+
+    from jobstream import dlq as dlq_mod
+    from jobstream.errors import JobstreamError
+    _logical_topic(topic)
+    try:
+        report = dlq_mod.replay(get_settings(), topic, reason_codes=reason_codes, limit=limit,
+                                dry_run=dry_run)
+    except (JobstreamError, ValueError) as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        verb = "would replay" if dry_run else "replayed"
+        for it in report.replayed:
+            where = ("" if it.replayed_offset is None
+                     else f" -> {it.original_topic}[{it.replayed_partition}]@{it.replayed_offset}")
+            click.echo(f"{verb} {it.ref} ({it.reason_code}){where}")
+        for it in report.failed:
+            click.echo(f"FAILED {it.ref} ({it.reason_code}): {it.error}")
+        for ref, why in report.unreplayable:
+            click.echo(f"unreplayable {ref}: {why}")
+        click.echo(f"{report.dlq_topic}: {verb} {len(report.replayed)}, failed "
+                   f"{len(report.failed)}, already replayed {report.already_replayed}, "
+                   f"skipped by filter {report.skipped}, unreplayable "
+                   f"{len(report.unreplayable)}"
+                   + (" (stopped at --limit)" if report.limit_reached else ""))
+    if report.failed:
+        sys.exit(1)
 
 
 @main.command("fake-provider")

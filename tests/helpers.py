@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from psycopg.rows import dict_row
 
 from jobstream.settings import Settings
@@ -72,6 +72,15 @@ class ProcessRunner:
         self.procs.append(proc)
         return proc
 
+    def run(self, *args: str, timeout_s: float = 120.0,
+            **env: str) -> subprocess.CompletedProcess[str]:
+        """Run a one-off jobstream subcommand to completion; stdout and stderr are captured
+        apart (so ``--json`` output can be parsed). Raises ``TimeoutExpired`` after
+        ``timeout_s``."""
+        return subprocess.run([sys.executable, "-m", "jobstream.cli", *args],
+                              env=self.env(**env), capture_output=True, text=True,
+                              timeout=timeout_s)
+
     def pipeline(self, **env: str) -> dict[str, Proc]:
         """Start relay, stage workers and the downstream applier."""
         return {"relay": self.start("relay", **env), "worker": self.start("worker", **env),
@@ -120,6 +129,25 @@ def wait_for(pred: Callable[[], Any], timeout_s: float, what: str,
                          + (on_timeout() if on_timeout else ""))
 
 
+#: Errors a topic answers with for a moment after it was created.
+_SETTLING = (KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
+             KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._TIMED_OUT)
+
+
+def _watermarks(c: Consumer, tp: TopicPartition, timeout_s: float = 15.0) -> tuple[int, int]:
+    """``(low, high)`` of ``tp``, retrying retriable errors: just after a topic is created the
+    broker answers NOT_LEADER_FOR_PARTITION for a moment, although metadata shows a leader."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return c.get_watermark_offsets(tp, timeout=10)
+        except KafkaException as exc:
+            err = exc.args[0]
+            if not (err.retriable() or err.code() in _SETTLING) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def read_topic(settings: Settings, topic: str, timeout_s: float = 20.0) -> list[Any]:
     """Every message currently in ``topic`` (full name), read from the beginning to the end
     offsets at call time, with a throwaway consumer group."""
@@ -131,7 +159,7 @@ def read_topic(settings: Settings, topic: str, timeout_s: float = 20.0) -> list[
         tps = [TopicPartition(topic, p) for p in md.partitions]
         ends = {}
         for tp in tps:
-            _lo, hi = c.get_watermark_offsets(tp, timeout=10)
+            _lo, hi = _watermarks(c, tp)
             ends[tp.partition] = hi
         todo = {p for p, hi in ends.items() if hi > 0}
         c.assign([TopicPartition(topic, p, 0) for p in ends])

@@ -306,3 +306,24 @@ VALUES (%s, %s, %s, %s);
 -- name: stage_provider_cost
 SELECT coalesce(sum(cost_usd), 0)::float8 AS cost_usd, count(*) AS calls
   FROM provider_attempt WHERE job_id = %s AND stage = %s;
+
+-- ---------------------------------------------------------------- dead-letter replay
+
+-- name: dlq_replay_try_lock
+-- One replay per DLQ topic at a time: a session-level advisory lock (class, hashtext(topic)).
+SELECT pg_try_advisory_lock(%s, hashtext(%s)) AS locked;
+
+-- name: dlq_replayed_offsets
+-- Offsets of one DLQ partition already replayed, within [from, to).
+SELECT dlq_offset FROM dlq_replay
+ WHERE dlq_topic = %s AND dlq_partition = %s AND dlq_offset >= %s AND dlq_offset < %s;
+
+-- name: dlq_replay_record
+-- Written after the broker acknowledged the re-produced message.
+INSERT INTO dlq_replay (dlq_topic, dlq_partition, dlq_offset, reason_code, original_topic,
+                        original_partition, original_offset, replayed_partition,
+                        replayed_offset)
+VALUES (%(dlq_topic)s, %(dlq_partition)s, %(dlq_offset)s, %(reason_code)s,
+        %(original_topic)s, %(original_partition)s, %(original_offset)s,
+        %(replayed_partition)s, %(replayed_offset)s)
+ON CONFLICT (dlq_topic, dlq_partition, dlq_offset) DO NOTHING;

@@ -78,10 +78,12 @@ class IdempotentConsumer:
         return self._conn
 
     def _dead_letter(self, msg: Message, code: str, reason: str) -> None:
-        headers = [("dlq_reason_code", code.encode()), ("dlq_reason", reason[:2000].encode()),
-                   ("dlq_original_topic", (msg.topic() or "").encode()),
-                   ("dlq_original_partition", str(msg.partition()).encode()),
-                   ("dlq_original_offset", str(msg.offset()).encode())]
+        kept = [(k, v) for k, v in (msg.headers() or []) if not k.startswith("dlq_")]
+        headers = kept + [("dlq_reason_code", code.encode()),
+                          ("dlq_reason", reason[:2000].encode()),
+                          ("dlq_original_topic", (msg.topic() or "").encode()),
+                          ("dlq_original_partition", str(msg.partition()).encode()),
+                          ("dlq_original_offset", str(msg.offset()).encode())]
         self._dlq.produce(f"{msg.topic()}.dlq", value=msg.value(), key=msg.key(),
                           headers=headers)
         if self._dlq.flush(30):

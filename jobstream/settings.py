@@ -106,6 +106,12 @@ class Settings(BaseSettings):
     )
     chunk_size_chars: int = Field(4000, ge=200, description="Target chunk size (characters).")
     lease_s: float = Field(120.0, gt=0, description="Stage lease length (seconds).")
+    document_roots: list[str] = Field(
+        default_factory=list,
+        description="Directories a document.uploaded may name with a file:// URI (JSON list). "
+                    "Empty: file:// URIs are refused, so an event cannot make a worker read "
+                    "an arbitrary file.",
+    )
     max_inline_document_bytes: int = Field(
         5 * 1024 * 1024, ge=1, description="Largest document accepted inline (bytes)."
     )

@@ -140,7 +140,10 @@ def handle_intake(ctx: StageContext, ev: DocumentUploaded) -> IntakeResult:
         raise PoisonMessage(f"document of {p.document.size_bytes} bytes exceeds the limit of "
                             f"{ctx.settings.max_inline_document_bytes}", code="document_too_large")
     try:
-        content = p.document.content()
+        content = p.document.content(ctx.settings.document_roots)
+    except PermissionError as exc:
+        raise PoisonMessage(f"document URI not allowed: {exc}",
+                            code="document_uri_not_allowed") from None
     except (OSError, ValueError) as exc:
         raise PoisonMessage(f"document unreadable: {exc}", code="document_unreadable") from None
     actual = sha256_hex(content)

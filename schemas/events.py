@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import uuid
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
+from urllib.parse import unquote, urlparse
 
 from pydantic import (
     BaseModel,
@@ -55,12 +57,21 @@ class DocumentRef(_Frozen):
             raise ValueError("exactly one of content_b64 and uri must be set")
         return self
 
-    def content(self) -> bytes:
-        """The document's bytes (reads ``file://``). Raises ``OSError``, ``ValueError``."""
+    def content(self, roots: list[str] | tuple[str, ...] = ()) -> bytes:
+        """The document's bytes. A ``file://`` URI is read only when its resolved path lies
+        under one of ``roots`` (directories). Raises ``PermissionError`` (outside the roots),
+        ``OSError`` (unreadable) or ``ValueError`` (bad base64 or URI)."""
         if self.content_b64 is not None:
             return base64.b64decode(self.content_b64, validate=True)
         assert self.uri is not None
-        with open(self.uri.removeprefix("file://"), "rb") as fh:
+        parsed = urlparse(self.uri)
+        if parsed.netloc not in ("", "localhost"):
+            raise ValueError(f"file URI names a host: {self.uri!r}")
+        path = os.path.realpath(unquote(parsed.path))
+        allowed = [os.path.realpath(r) for r in roots]
+        if not any(os.path.commonpath([path, r]) == r for r in allowed):
+            raise PermissionError(f"{path} is outside the allowed document roots {allowed}")
+        with open(path, "rb") as fh:
             return fh.read()
 
 

@@ -50,10 +50,14 @@ def dlq_headers(reason_code: str, reason: str, topic: str, partition: int,
     }
 
 
+def _items(headers: Any) -> list[tuple[str, bytes]]:
+    """faust message headers (a dict or a list of pairs) as ``(name, bytes)`` pairs."""
+    items = (headers or {}).items() if isinstance(headers, dict | None) else headers
+    return [(k, v if isinstance(v, bytes) else str(v).encode()) for k, v in items]
+
+
 def _header(event: faust.EventT, name: str) -> str | None:
-    headers = event.message.headers or {}
-    items = headers.items() if isinstance(headers, dict) else headers
-    for k, v in items:
+    for k, v in _items(event.message.headers):
         if k == name:
             return v.decode() if isinstance(v, bytes) else str(v)
     return None
@@ -83,7 +87,9 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
         src_topic = _header(event, "retry_original_topic") or msg.topic
         log.warning("dead-lettering %s[%d]@%d: %s: %s", msg.topic, msg.partition, msg.offset,
                     code, reason)
-        headers = dlq_headers(code, reason, src_topic, msg.partition, msg.offset)
+        headers = {k: v for k, v in _items(msg.headers)
+                   if not k.startswith(("dlq_", "retry_"))}  # keep request_id, event_id, ...
+        headers.update(dlq_headers(code, reason, src_topic, msg.partition, msg.offset))
         fut = await dlq.send(key=msg.key, value=msg.value, headers=headers)
         await fut  # acknowledged by the broker before the original is acked
 
@@ -91,7 +97,8 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
         delay = retry_delay_s(round_no, s.retry_base_s, s.retry_cap_s,
                               getattr(exc, "retry_after_s", None))
         msg = event.message
-        headers = {
+        headers = {k: v for k, v in _items(msg.headers) if not k.startswith("retry_")}
+        headers |= {
             "retry_count": str(round_no).encode(),
             "retry_not_before_ms": str(int((time.time() + delay) * 1000)).encode(),
             "retry_reason": f"{type(exc).__name__}: {exc}"[:2000].encode(),

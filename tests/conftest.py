@@ -1,6 +1,6 @@
 """Fixtures: real Kafka + real Postgres, never an in-memory fake.
 
-Where the services come from, in order (DEVELOPERS.md):
+Where the services come from, in order:
 1. ``KAFKA_BOOTSTRAP_SERVERS`` / ``DATABASE_URL`` (or their ``JOBSTREAM_`` forms) when set;
 2. testcontainers when a Docker engine answers;
 3. the native services of ``scripts/services.sh up`` (installed and started when needed).

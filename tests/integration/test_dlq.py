@@ -196,7 +196,7 @@ def test_replay_after_the_cause_is_fixed_runs_the_job_once_and_a_second_replay_d
     content = doc.read_bytes()
     doc.unlink()  # the event points at a file that is not there yet
     raw = encode_event(ev)
-    procs.pipeline()
+    procs.pipeline(JOBSTREAM_DOCUMENT_ROOTS=json.dumps([str(tmp_path)]))
     produce_raw(settings, topic, [(b"late-1", raw)])
     [dead] = wait_for(lambda: read_topic(settings, dlq_topic), 60,
                       "the upload to be dead-lettered", procs.logs)
@@ -248,7 +248,8 @@ def test_messages_left_out_by_a_filter_stay_replayable_and_replays_do_not_overla
                         inline=False)
     content = doc.read_bytes()
     doc.unlink()
-    procs.start("worker", "--stages", "intake")
+    procs.start("worker", "--stages", "intake",
+                JOBSTREAM_DOCUMENT_ROOTS=json.dumps([str(tmp_path)]))
     # One key: both land on the same partition, the one to be skipped first.
     produce_raw(settings, topic, [(b"same", b"definitely not json")])
     produce_raw(settings, topic, [(b"same", encode_event(ev))])

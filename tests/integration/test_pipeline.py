@@ -121,7 +121,8 @@ def test_malformed_uploads_go_to_the_dlq_with_a_reason_and_the_next_is_processed
     conflict = uploaded_event(LICENSES / "CC0-1.0", tenant_id="acme", idempotency_key="k1",
                               settings=settings)
     topic = settings.topic("document.uploaded")
-    produce_raw(settings, topic, [(b"x", b"this is not json {")])
+    produce_raw(settings, topic, [(b"x", b"this is not json {")],
+                headers=[("request_id", b"req-42")])
     produce_raw(settings, topic, [(b"y", json.dumps(no_tenant).encode())])
     produce_raw(settings, topic, [(b"k1", encode_event(good))])
     produce_raw(settings, topic, [(b"k1", encode_event(conflict))])  # same key, other body
@@ -140,4 +141,5 @@ def test_malformed_uploads_go_to_the_dlq_with_a_reason_and_the_next_is_processed
     by_code = {dict(m.headers())["dlq_reason_code"].decode(): m for m in dlq}
     assert b"tenant_id" in dict(by_code["schema_violation"].headers())["dlq_reason"]
     assert by_code["not_json"].value() == b"this is not json {"  # original bytes kept
+    assert dict(by_code["not_json"].headers())["request_id"] == b"req-42"  # and headers
     assert len(_jobs(settings, "acme")) == 1

@@ -100,3 +100,18 @@ def test_job_ids_are_uuids_in_job_events() -> None:
     ev = JobFailed(tenant_id="t", idempotency_key="k", job_id=uuid.uuid4(), dedup_key="f" * 64,
                    payload=JobFailedPayload(stage="llm_done", error_code="x", error="y"))
     assert decode_event(ev.model_dump_json()).job_id == ev.job_id
+
+
+def test_file_uris_are_read_only_under_the_document_roots(tmp_path) -> None:
+    inside = tmp_path / "ok dir" / "a.txt"
+    inside.parent.mkdir()
+    inside.write_bytes(b"hello")
+    ref = DocumentRef(filename="a.txt", sha256="0" * 64, size_bytes=5,
+                      uri="file://" + str(inside).replace(" ", "%20"))
+    assert ref.content([str(tmp_path)]) == b"hello"
+    with pytest.raises(PermissionError):
+        ref.content([])  # no roots configured: refused
+    sneaky = DocumentRef(filename="p", sha256="0" * 64, size_bytes=1,
+                         uri=f"file://{tmp_path}/../../etc/passwd")
+    with pytest.raises(PermissionError):
+        sneaky.content([str(tmp_path)])

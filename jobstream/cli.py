@@ -95,6 +95,18 @@ def worker(stages: str) -> None:
            quiet=True).execute_from_commandline()
 
 
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+def api(host: str, port: int) -> None:
+    """Serve the HTTP API (OpenAPI at /openapi.json, docs at /docs).
+
+    Tenants come from bearer tokens: JOBSTREAM_API_TOKENS='{"<token>": "<tenant>"}'.
+    """
+    from jobstream.api import main as api_main
+    sys.exit(api_main(get_settings(), host, port))
+
+
 @main.command("consume-ready")
 def consume_ready() -> None:
     """Run the example downstream consumer that applies job.ready exactly once."""

@@ -124,6 +124,14 @@ class Settings(BaseSettings):
         7 * 24 * 3600.0, ge=0, description="Published outbox rows are deleted after (seconds)."
     )
 
+    api_tokens: dict[str, str] = Field(
+        default_factory=dict,
+        description="HTTP API bearer tokens -> tenant id (JSON object). The tenant always comes "
+                    "from the token, never from the request body.",
+    )
+    api_emit_uploaded: bool = Field(
+        False, description="The API also writes document.uploaded to the outbox for others."
+    )
     fault: str | None = Field(
         None,
         description="Fault-injection point at which the process SIGKILLs itself (tests only).",

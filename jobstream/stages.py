@@ -34,7 +34,7 @@ from jobstream.errors import (
     StaleRun,
 )
 from jobstream.keys import canonical_json, dedup_key, request_hash, sha256_hex
-from jobstream.llm.client import ProviderClient, backoff_s
+from jobstream.llm.client import CallCancelled, ProviderClient, backoff_s
 from jobstream.llm.profiles import PIPELINES, ModelProfile, get_profile, get_prompt
 from jobstream.settings import Settings
 from jobstream.store import (
@@ -77,6 +77,12 @@ PUBLISH_VERSION = "publish-1"
 CODE_VERSIONS = {"text_extracted": EXTRACT_VERSION, "chunks_ready": CHUNK_VERSION,
                  "llm_done": LLM_VERSION, "validated": VALIDATE_VERSION,
                  "published": PUBLISH_VERSION}
+
+
+class JobCancelled(JobstreamError):
+    """The user cancelled the job; the run stops before its next provider call."""
+
+    code = "cancelled_by_user"
 
 
 class NeedsReconciliation(JobstreamError):
@@ -122,8 +128,12 @@ class StageContext:
 
 # ---------------------------------------------------------------------------------- intake
 
-def handle_intake(ctx: StageContext, ev: DocumentUploaded) -> IntakeResult:
+def handle_intake(ctx: StageContext, ev: DocumentUploaded, *, conn: Any = None,
+                  emit_uploaded: bool = False) -> IntakeResult:
     """Turn one ``document.uploaded`` into a job (one transaction, see :meth:`Store.intake`).
+
+    ``conn`` joins the caller's transaction (the API's batches); ``emit_uploaded`` also writes
+    the ``document.uploaded`` event itself to the outbox, for other consumers (the API path).
 
     Raises :class:`PoisonMessage` for requests that can never succeed (unknown pipeline, prompt
     or profile; unreadable, oversized or hash-mismatched document; idempotency-key conflict).
@@ -171,9 +181,11 @@ def handle_intake(ctx: StageContext, ev: DocumentUploaded) -> IntakeResult:
                 pipeline=p.pipeline, prompt_version=p.prompt_version,
                 model_profile=p.model_profile, lane=p.lane))
 
+    extra = [_msg(ctx, ev)] if emit_uploaded else []
     return ctx.store.intake(tenant_id=ev.tenant_id, idempotency_key=ev.idempotency_key,
                             request_hash=rh, request_id=ev.request_id, job=job, content=content,
-                            accepted=accepted, topic=ctx.settings.topic("job.accepted"))
+                            accepted=accepted, topic=ctx.settings.topic("job.accepted"),
+                            conn=conn, extra=extra)
 
 
 # ---------------------------------------------------------------------------------- stages
@@ -259,14 +271,24 @@ def _call_provider(ctx: StageContext, claim: Claim, profile: ModelProfile, promp
     policy = s.outcome_unknown_policy.get(claim.job["lane"], "retry")
     last: Exception | None = None
     retry_after: float | None = None
+    job_id = claim.job["job_id"]
+    # Remote calls poll the cancel flag while in flight (the local model answers at once).
+    abort = (lambda: ctx.store.cancel_requested(job_id)) if profile.base_url else None
     for round_attempt in range(1, s.provider_max_attempts + 1):
         ctx.store.renew_lease(claim, s.lease_s)
         attempt = _check_budget(ctx, claim, chunk["idx"])
         attempt_id = ctx.store.start_attempt(claim, chunk_idx=chunk["idx"], attempt=attempt,
                                              model=client.model)
+        if attempt_id is None:
+            raise JobCancelled("cancelled before the next provider call")
         try:
             done = client.complete(prompt, chunk["text"],
-                                   idempotency_key=f"{claim.job['job_id']}:{chunk['idx']}")
+                                   idempotency_key=f"{job_id}:{chunk['idx']}",
+                                   should_abort=abort)
+        except CallCancelled as exc:
+            # "External call cancelled": a fact of the attempt, not of the job.
+            ctx.store.finish_attempt(attempt_id, outcome="cancelled", error=str(exc))
+            raise JobCancelled(f"chunk {chunk['idx']}: {exc}") from None
         except RetryableError as exc:
             ctx.store.finish_attempt(attempt_id, outcome="transient_error", error=str(exc),
                                      status_code=_status_of(exc))
@@ -319,6 +341,8 @@ def _llm(ctx: StageContext, claim: Claim, ev: Any) -> StageResult:
     for ch in chunks:
         if ch["llm_output"] is not None:
             continue  # answered in an earlier run of this stage: never paid for twice
+        if ctx.store.cancel_requested(job["job_id"]):
+            raise JobCancelled("cancelled before the next provider call")
         output, attempt_id = _call_provider(ctx, claim, profile, prompt, ch)
         calls += 1
         ctx.store.save_chunk_output(claim, ch["idx"], output, attempt_id)
@@ -427,7 +451,7 @@ SPECS: dict[str, StageSpec] = {s.consumes: s for s in (
 def run_stage(ctx: StageContext, ev: Any) -> str:
     """Process one stage event end to end; returns what happened, for logs and tests:
     ``done``, ``reused`` (re-emitted a finished checkpoint after a redrive),
-    ``skipped:<reason>``, ``failed:<error code>``, ``parked`` or ``stale``.
+    ``skipped:<reason>``, ``failed:<error code>``, ``parked``, ``cancelled`` or ``stale``.
 
     Waits (sleeping) while another run holds a live lease; a lease that expires is taken over.
     Raises :class:`RetryableError` / :class:`OutcomeUnknown` for the caller to retry later.
@@ -476,6 +500,13 @@ def run_stage(ctx: StageContext, ev: Any) -> str:
                            next_msg=_msg(ctx, next_event), chunks=result.chunks,
                            charge_usd=result.charge_usd, later_stages=later)
         return "done"
+    except JobCancelled:
+        try:
+            ctx.store.cancel_run(claim, group=group, event_type=ev.event_type,
+                                 event_id=ev.event_id)
+        except StaleRun:
+            return "stale"
+        return "cancelled"
     except NeedsReconciliation as exc:
         try:
             ctx.store.park(claim, error_code=exc.code, error=str(exc), group=group,

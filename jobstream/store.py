@@ -135,19 +135,34 @@ class Store:
 
     def intake(self, *, tenant_id: str, idempotency_key: str, request_hash: str,
                request_id: str, job: dict[str, Any], content: bytes,
-               accepted: Any, topic: str) -> IntakeResult:
+               accepted: Any, topic: str, conn: psycopg.Connection | None = None,
+               extra: list[OutboxMessage] = ()) -> IntakeResult:  # type: ignore[assignment]
         """Create a job for one client intent, in ONE transaction: document, job, idempotency
-        record, ``uploaded`` checkpoint and the ``job.accepted`` outbox row.
+        record, ``uploaded`` checkpoint and the ``job.accepted`` outbox row (plus ``extra``
+        outbox rows, e.g. a ``document.uploaded`` for other consumers).
 
         ``job``: the job row's columns (``job_id``, ``dedup_key``, …). ``accepted``: a callable
-        ``job_id -> event`` building the outbox event. The same (tenant, idempotency_key) again
-        returns the same job with no new work; a second key for the same dedup_key is bound to
-        the existing job. Raises :class:`IdempotencyConflict` when the key was used with a
-        different body.
+        ``job_id -> event`` building the outbox event. ``conn``: join the caller's transaction
+        (a savepoint is used). The same (tenant, idempotency_key) again returns the same job
+        with no new work; a second key for the same dedup_key is bound to the existing job.
+        Raises :class:`IdempotencyConflict` when the key was used with a different body.
         """
+        if conn is not None:
+            return self._intake_in(conn, tenant_id, idempotency_key, request_hash, request_id,
+                                   job, content, accepted, topic, list(extra))
+        try:
+            with self.pool.connection(timeout=30) as own:
+                return self._intake_in(own, tenant_id, idempotency_key, request_hash,
+                                       request_id, job, content, accepted, topic, list(extra))
+        except psycopg.OperationalError as exc:
+            raise RetryableError(f"database unavailable: {exc}", code="db_unavailable") from None
+
+    def _intake_in(self, conn: psycopg.Connection, tenant_id: str, idempotency_key: str,
+                   request_hash: str, request_id: str, job: dict[str, Any], content: bytes,
+                   accepted: Any, topic: str, extra: list[OutboxMessage]) -> IntakeResult:
         for _ in range(3):  # a concurrent identical intent may win the insert race: re-read
             try:
-                with self.tx() as conn:
+                with conn.transaction():
                     row = conn.execute(Q["find_request"], (tenant_id, idempotency_key)).fetchone()
                     if row:
                         if row["request_hash"] != request_hash:
@@ -175,6 +190,8 @@ class Store:
                         Jsonb({"filename": job["filename"]}),
                         Jsonb(event.payload.model_dump(mode="json"))))
                     self.add_outbox(conn, outbox_message(topic, event))
+                    for msg in extra:
+                        self.add_outbox(conn, msg)
                     return IntakeResult(job_id, True)
             except psycopg.errors.UniqueViolation:
                 continue
@@ -338,6 +355,26 @@ class Store:
         assert row is not None
         return float(row["cost_usd"])
 
+    def cancel_requested(self, job_id: uuid.UUID) -> bool:
+        """True when the job's cancel flag is set (cheap; polled during provider calls)."""
+        with self.tx() as conn:
+            row = conn.execute(Q["cancel_requested"], (job_id,)).fetchone()
+        return bool(row and row["cancel_requested"])
+
+    def cancel_run(self, claim: Claim, *, group: str, event_type: str,
+                   event_id: uuid.UUID) -> None:
+        """End a run stopped by the user's cancel (ONE fenced transaction): stage failed
+        ``cancelled_by_user``, job ``cancelled``, event recorded as processed.
+        Raises :class:`StaleRun` when the run was fenced off."""
+        job_id = claim.job["job_id"]
+        with self.tx() as conn:
+            cur = conn.execute(Q["cancel_stage"], (job_id, claim.stage, claim.run_token))
+            if cur.rowcount != 1:
+                raise StaleRun(f"stage {claim.stage} of job {job_id} has a newer run")
+            conn.execute(Q["cancel_job"], (job_id,))
+            conn.execute(Q["record_processed"], (group, claim.job["dedup_key"], event_type,
+                                                 event_id, job_id))
+
     def park(self, claim: Claim, *, error_code: str, error: str, group: str, event_type: str,
              event_id: uuid.UUID) -> None:
         """Park the stage and the job in ``needs_reconciliation`` (ONE fenced transaction): a
@@ -429,14 +466,15 @@ class Store:
 
     # ------------------------------------------------------------------ provider log
 
-    def start_attempt(self, claim: Claim, *, chunk_idx: int, attempt: int, model: str) -> int:
-        """Record a provider attempt as ``started`` (committed before the request is sent)."""
+    def start_attempt(self, claim: Claim, *, chunk_idx: int, attempt: int,
+                      model: str) -> int | None:
+        """Record a provider attempt as ``started`` (committed before the request is sent).
+        Returns ``None`` (and records nothing) when the job's cancel was committed first."""
         with self.tx() as conn:
             row = conn.execute(Q["start_provider_attempt"], (
-                claim.job["job_id"], claim.stage, chunk_idx, attempt, claim.run_token,
-                claim.job["model_profile"], model)).fetchone()
-        assert row is not None
-        return int(row["attempt_id"])
+                claim.stage, chunk_idx, attempt, claim.run_token, claim.job["model_profile"],
+                model, claim.job["job_id"])).fetchone()
+        return int(row["attempt_id"]) if row else None
 
     def finish_attempt(self, attempt_id: int, *, outcome: str, status_code: int | None = None,
                        latency_ms: float | None = None, prompt_tokens: int | None = None,

@@ -20,12 +20,15 @@ import email.utils
 import json
 import random
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from jobstream.errors import OutcomeUnknown, PermanentError, RetryableError
+from jobstream.errors import JobstreamError, OutcomeUnknown, PermanentError, RetryableError
 from jobstream.llm.local import LocalModelTransport
 from jobstream.llm.profiles import ModelProfile
 
@@ -39,6 +42,12 @@ class Completion:
     completion_tokens: int
     status_code: int
     latency_ms: float
+
+
+class CallCancelled(JobstreamError):
+    """An in-flight provider call was aborted because its job was cancelled."""
+
+    code = "external_call_cancelled"
 
 
 def backoff_s(attempt: int, base_s: float, cap_s: float, rng: random.Random | None = None) -> float:
@@ -71,6 +80,7 @@ class ProviderClient:
         self.profile = profile
         self.model = profile.model
         url = base_url or profile.base_url
+        self._local = url is None
         headers = {"Content-Type": "application/json"}
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
@@ -86,12 +96,42 @@ class ProviderClient:
         """Close the connection pool."""
         self._http.close()
 
-    def complete(self, system: str, user: str, *, idempotency_key: str | None = None) -> Completion:
+    def complete(self, system: str, user: str, *, idempotency_key: str | None = None,
+                 should_abort: Callable[[], bool] | None = None,
+                 abort_poll_s: float = 0.5) -> Completion:
         """Send one chat completion asking for a JSON object.
 
-        Raises :class:`RetryableError` (with ``retry_after_s``), :class:`PermanentError` or
-        :class:`OutcomeUnknown`, classified as the module docstring says.
+        ``should_abort``: polled every ``abort_poll_s`` seconds while the request is in flight;
+        when it returns True the connection is closed and :class:`CallCancelled` is raised
+        (the provider may still have done the work). Raises :class:`RetryableError` (with
+        ``retry_after_s``), :class:`PermanentError` or :class:`OutcomeUnknown`, classified as
+        the module docstring says.
         """
+        if should_abort is None:
+            return self._complete(self._http, system, user, idempotency_key)
+        # An abortable call gets its own connection, so closing it cannot hurt other calls.
+        http = httpx.Client(base_url=self._http.base_url, headers=self._http.headers,
+                            timeout=self._http.timeout, transport=self._transport())
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
+            fut = pool.submit(self._complete, http, system, user, idempotency_key)
+            while True:
+                try:
+                    return fut.result(timeout=abort_poll_s)
+                except FutureTimeout:
+                    if should_abort():
+                        http.close()
+                        raise CallCancelled("in-flight provider call aborted") from None
+        finally:
+            pool.shutdown(wait=False)
+            http.close()
+
+    def _transport(self) -> httpx.BaseTransport | None:
+        return LocalModelTransport(self.model) if self.profile.base_url is None and \
+            self._local else None
+
+    def _complete(self, http: httpx.Client, system: str, user: str,
+                  idempotency_key: str | None) -> Completion:
         body = {
             "model": self.model,
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
@@ -101,7 +141,7 @@ class ProviderClient:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         started = time.perf_counter()
         try:
-            resp = self._http.post("/chat/completions", json=body, headers=headers)
+            resp = http.post("/chat/completions", json=body, headers=headers)
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
             raise RetryableError(f"provider unreachable: {exc!r}", code="connect_error") from None
         except httpx.TimeoutException as exc:

@@ -123,6 +123,41 @@ UPDATE job_stage SET status = 'failed', error_code = %s, error = %s, lease_until
                      updated_at = now()
  WHERE job_id = %s AND stage = %s AND status IN ('pending', 'running');
 
+-- name: cancel_requested
+SELECT cancel_requested FROM job WHERE job_id = %s;
+
+-- name: cancel_stage
+-- Fenced: the run stopped because the user cancelled the job.
+UPDATE job_stage SET status = 'failed', error_code = 'cancelled_by_user',
+                     error = 'cancelled by user', lease_until = NULL, updated_at = now()
+ WHERE job_id = %s AND stage = %s AND run_token = %s AND status = 'running';
+
+-- name: request_cancel
+-- "Cancelled by user": the flag workers check between and during stages.
+UPDATE job SET cancel_requested = true, cancel_requested_at = coalesce(cancel_requested_at, now()),
+               updated_at = now()
+ WHERE job_id = %s AND tenant_id = %s
+RETURNING status;
+
+-- name: request_cancel_batch
+UPDATE job SET cancel_requested = true, cancel_requested_at = coalesce(cancel_requested_at, now()),
+               updated_at = now()
+ WHERE job_id IN (SELECT job_id FROM batch_job WHERE batch_id = %s)
+   AND status NOT IN ('succeeded', 'failed', 'cancelled');
+
+-- name: mark_batch_cancelled
+UPDATE batch SET cancel_requested = true WHERE batch_id = %s AND tenant_id = %s
+RETURNING batch_id;
+
+-- name: cancel_waiting_jobs
+-- Jobs with no running stage end 'cancelled' at once; running ones end at their next check.
+UPDATE job j SET status = 'cancelled', error_code = 'cancelled_by_user', finished_at = now(),
+                 updated_at = now()
+ WHERE j.job_id = ANY(%s) AND j.cancel_requested
+   AND j.status IN ('queued', 'running', 'needs_reconciliation')
+   AND NOT EXISTS (SELECT 1 FROM job_stage s WHERE s.job_id = j.job_id AND s.status = 'running'
+                   AND s.lease_until > now());
+
 -- name: park_stage
 -- Fenced: the run's provider call has an unknown outcome; wait for reconciliation.
 UPDATE job_stage
@@ -175,7 +210,7 @@ SELECT s.job_id, s.stage, s.run_token, s.attempt, s.lease_until FROM job_stage s
 -- name: advance_job
 UPDATE job SET status = 'running', current_stage = %s, cost_usd = cost_usd + %s,
                updated_at = now()
- WHERE job_id = %s;
+ WHERE job_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled');
 
 -- name: succeed_job
 UPDATE job SET status = 'succeeded', current_stage = 'published', charge_usd = %s,
@@ -214,9 +249,13 @@ UPDATE chunk c SET llm_output = %(output)s, llm_attempt_id = %(attempt_id)s
                   AND s.run_token = %(run_token)s AND s.status = 'running');
 
 -- name: start_provider_attempt
--- Written (and committed) before the request is sent: a crash mid-call leaves 'started'.
+-- Written (and committed) before the request is sent: a crash mid-call leaves 'started'. Not
+-- written once the job's cancel is committed: FOR SHARE serialises it with the cancel's UPDATE,
+-- so no provider call starts after a committed cancel.
 INSERT INTO provider_attempt (job_id, stage, chunk_idx, attempt, run_token, model_profile, model)
-VALUES (%s, %s, %s, %s, %s, %s, %s)
+SELECT j.job_id, %s, %s, %s, %s, %s, %s FROM job j
+ WHERE j.job_id = %s AND NOT j.cancel_requested
+   FOR SHARE OF j
 RETURNING attempt_id;
 
 -- name: finish_provider_attempt
@@ -327,3 +366,58 @@ VALUES (%(dlq_topic)s, %(dlq_partition)s, %(dlq_offset)s, %(reason_code)s,
         %(original_topic)s, %(original_partition)s, %(original_offset)s,
         %(replayed_partition)s, %(replayed_offset)s)
 ON CONFLICT (dlq_topic, dlq_partition, dlq_offset) DO NOTHING;
+
+-- ---------------------------------------------------------------- HTTP API
+
+-- name: api_job
+SELECT j.job_id, j.tenant_id, j.status, j.current_stage, j.lane, j.filename, j.pipeline,
+       j.prompt_version, j.model_profile, j.dedup_key, j.cancel_requested,
+       j.cancel_requested_at, j.error_code, j.error, j.charge_usd, j.created_at,
+       j.finished_at, j.generation,
+       (SELECT min(s.started_at) FROM job_stage s
+         WHERE s.job_id = j.job_id AND s.stage <> 'uploaded') AS first_started_at,
+       (SELECT coalesce(sum(a.cost_usd), 0)::float8 FROM provider_attempt a
+         WHERE a.job_id = j.job_id) AS cost_so_far_usd
+  FROM job j WHERE j.job_id = %s AND j.tenant_id = %s;
+
+-- name: api_job_stages
+SELECT stage, status, attempt, code_version, started_at, finished_at, cost_usd::float8,
+       error_code
+  FROM job_stage WHERE job_id = %s;
+
+-- name: api_job_attempts
+SELECT chunk_idx, attempt, outcome, status_code, latency_ms, prompt_tokens,
+       completion_tokens, cost_usd::float8, started_at, finished_at
+  FROM provider_attempt WHERE job_id = %s ORDER BY attempt_id;
+
+-- name: find_batch
+SELECT batch_id, request_hash FROM batch WHERE tenant_id = %s AND idempotency_key = %s;
+
+-- name: insert_batch
+INSERT INTO batch (batch_id, tenant_id, idempotency_key, request_hash, lane)
+VALUES (%s, %s, %s, %s, %s);
+
+-- name: insert_batch_job
+INSERT INTO batch_job (batch_id, idx, job_id) VALUES (%s, %s, %s);
+
+-- name: batch_job_ids
+SELECT bj.job_id FROM batch_job bj JOIN batch b USING (batch_id)
+ WHERE bj.batch_id = %s AND b.tenant_id = %s ORDER BY bj.idx;
+
+-- name: api_batch
+-- Counts per status and cost so far of one batch, in one query.
+SELECT b.batch_id, b.lane, b.cancel_requested, b.created_at, count(*) AS jobs,
+       count(*) FILTER (WHERE j.status = 'queued') AS queued,
+       count(*) FILTER (WHERE j.status = 'running') AS running,
+       count(*) FILTER (WHERE j.status = 'succeeded') AS succeeded,
+       count(*) FILTER (WHERE j.status = 'failed') AS failed,
+       count(*) FILTER (WHERE j.status = 'cancelled') AS cancelled,
+       count(*) FILTER (WHERE j.status = 'needs_reconciliation') AS needs_reconciliation,
+       coalesce(sum(c.cost), 0)::float8 AS cost_so_far_usd
+  FROM batch b
+  JOIN batch_job bj USING (batch_id)
+  JOIN job j ON j.job_id = bj.job_id
+  LEFT JOIN LATERAL (SELECT sum(a.cost_usd) AS cost FROM provider_attempt a
+                      WHERE a.job_id = j.job_id) c ON true
+ WHERE b.batch_id = %s AND b.tenant_id = %s
+ GROUP BY b.batch_id;

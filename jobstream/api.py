@@ -1,0 +1,384 @@
+"""The HTTP API (FastAPI): durable jobs clients can create, query, follow, cancel and batch.
+
+The tenant comes from the bearer token (``JOBSTREAM_API_TOKENS``), never from the body. Job
+creation goes through the same transactional intake as ``document.uploaded``
+(:func:`jobstream.stages.handle_intake`): the job, its idempotency record, its first checkpoint
+and its outbox row commit together before the 202 is sent. ``Idempotency-Key`` is required:
+the same key again returns the same job (200, ``Idempotent-Replayed: true``); the same key with
+another body is 409 (IETF draft "The Idempotency-Key HTTP Header Field", §2.7).
+
+Run it with ``jobstream api``; the OpenAPI document is served at ``/openapi.json``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import uuid
+from collections.abc import AsyncIterator
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from jobstream.db import QUERIES as Q
+from jobstream.errors import IdempotencyConflict, PoisonMessage, RetryableError
+from jobstream.keys import canonical_json, sha256_hex
+from jobstream.settings import Settings
+from jobstream.stages import StageContext, handle_intake
+from jobstream.store import STAGES, TERMINAL, Store
+from schemas.events import DocumentRef, DocumentUploaded, DocumentUploadedPayload
+
+MAX_BATCH = 1000
+_bearer = HTTPBearer(auto_error=False)
+
+
+class JobRequest(BaseModel):
+    """One document to analyse: ``text`` or ``content_b64`` (exactly one), plus options."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    filename: str = Field("document.txt", min_length=1, max_length=512)
+    text: str | None = Field(None, description="The document as UTF-8 text.")
+    content_b64: str | None = Field(None, description="The document's bytes, base64.")
+    content_type: Literal["text/plain", "application/pdf"] = "text/plain"
+    pipeline: str | None = None
+    prompt_version: str | None = None
+    model_profile: str | None = None
+    lane: Literal["interactive", "batch"] | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> JobRequest:
+        if (self.text is None) == (self.content_b64 is None):
+            raise ValueError("give exactly one of text and content_b64")
+        return self
+
+    def content(self) -> bytes:
+        """The document's bytes. Raises ``ValueError`` for invalid base64."""
+        if self.text is not None:
+            return self.text.encode()
+        return base64.b64decode(self.content_b64 or "", validate=True)
+
+
+class BatchRequest(BaseModel):
+    """Up to 1000 documents in one intent; options apply to every document."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    documents: list[JobRequest] = Field(min_length=1, max_length=MAX_BATCH)
+    lane: Literal["interactive", "batch"] = "batch"
+
+
+class JobCreated(BaseModel):
+    """202/200 answer of ``POST /v1/jobs``."""
+
+    job_id: uuid.UUID
+    status: str
+
+
+class StageView(BaseModel):
+    """One checkpoint of a job."""
+
+    stage: str
+    status: str
+    attempt: int
+    code_version: str | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    cost_usd: float
+    error_code: str | None
+
+
+class AttemptView(BaseModel):
+    """One provider attempt (the provider call log)."""
+
+    chunk_idx: int | None
+    attempt: int
+    outcome: str
+    status_code: int | None
+    latency_ms: float | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    cost_usd: float
+    started_at: datetime
+    finished_at: datetime | None
+
+
+class JobView(BaseModel):
+    """``GET /v1/jobs/{id}``: where the job is, what it cost so far, and the result when
+    ready. Times are ISO 8601; ``queue_wait_s`` and ``run_s`` are seconds."""
+
+    job_id: uuid.UUID
+    status: str
+    current_stage: str
+    stages_done: int
+    stages_total: int
+    lane: str
+    filename: str
+    pipeline: str
+    prompt_version: str
+    model_profile: str
+    attempts: int = Field(description="Stage runs over all stages (retries included).")
+    provider_attempts: list[AttemptView]
+    cost_so_far_usd: float = Field(description="Provider cost of every attempt so far (USD).")
+    charge_usd: float = Field(description="What the client is charged: per accepted job (USD).")
+    cancel_requested: bool
+    error_code: str | None
+    error: str | None
+    created_at: datetime
+    finished_at: datetime | None
+    queue_wait_s: float | None
+    run_s: float | None
+    stages: list[StageView]
+    result: dict[str, Any] | None
+
+
+class BatchView(BaseModel):
+    """``GET /v1/batches/{id}``: counts per status and cost so far."""
+
+    batch_id: uuid.UUID
+    lane: str
+    cancel_requested: bool
+    jobs: int
+    queued: int
+    running: int
+    succeeded: int
+    failed: int
+    cancelled: int
+    needs_reconciliation: int
+    cost_so_far_usd: float
+    job_ids: list[uuid.UUID]
+
+
+class Problem(BaseModel):
+    """An error answer: a stable ``code`` and a human ``message``."""
+
+    code: str
+    message: str
+
+
+def _tenant(request: Request,
+            creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> str:
+    """The tenant of the bearer token. Raises 401 for a missing or unknown token."""
+    tokens: dict[str, str] = request.app.state.ctx.settings.api_tokens
+    if creds is None or creds.credentials not in tokens:
+        raise HTTPException(401, detail={"code": "unauthorized",
+                                         "message": "a valid bearer token is required"},
+                            headers={"WWW-Authenticate": "Bearer"})
+    return tokens[creds.credentials]
+
+
+Tenant = Annotated[str, Depends(_tenant)]
+IdemKey = Annotated[str, Header(alias="Idempotency-Key", min_length=1, max_length=200,
+                                description="One key per client intent (required).")]
+
+
+def _problem(status: int, code: str, message: str) -> HTTPException:
+    return HTTPException(status, detail={"code": code, "message": message})
+
+
+def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
+    """Build the API app. ``store`` defaults to a pool on ``settings.database_url``."""
+    app = FastAPI(title="jobstream", version="1", description=__doc__,
+                  responses={401: {"model": Problem}, 404: {"model": Problem}})
+    ctx = StageContext(settings, store or Store(settings.database_url, max_size=16))
+    app.state.ctx = ctx
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        detail = exc.detail if isinstance(exc.detail, dict) else {"code": "error",
+                                                                   "message": str(exc.detail)}
+        return JSONResponse(detail, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RetryableError)
+    async def _unavailable(_: Request, exc: RetryableError) -> JSONResponse:
+        return JSONResponse({"code": exc.code, "message": str(exc)}, status_code=503,
+                            headers={"Retry-After": "1"})
+
+    def event_for(t: str, key: str, req: JobRequest, lane: str | None = None
+                  ) -> DocumentUploaded:
+        try:
+            data = req.content()
+        except ValueError as exc:
+            raise _problem(422, "invalid_content", f"content_b64 is not base64: {exc}") from None
+        if not data.strip():
+            raise _problem(422, "empty_document", "the document is empty")
+        doc = DocumentRef(filename=req.filename, content_type=req.content_type,
+                          sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data),
+                          content_b64=base64.b64encode(data).decode())
+        return DocumentUploaded(
+            tenant_id=t, idempotency_key=key,
+            payload=DocumentUploadedPayload(
+                document=doc, pipeline=req.pipeline or settings.pipeline,
+                prompt_version=req.prompt_version or settings.prompt_version,
+                model_profile=req.model_profile or settings.model_profile,
+                lane=req.lane or lane or "interactive"))
+
+    def intake(ev: DocumentUploaded, conn: Any = None) -> tuple[uuid.UUID, bool]:
+        try:
+            r = handle_intake(ctx, ev, conn=conn, emit_uploaded=settings.api_emit_uploaded)
+        except IdempotencyConflict as exc:
+            raise _problem(409, exc.code, str(exc)) from None
+        except PoisonMessage as exc:
+            raise _problem(422, exc.code, str(exc)) from None
+        return r.job_id, r.created
+
+    def job_status(job_id: uuid.UUID) -> str:
+        job = ctx.store.job(job_id)
+        return job["status"] if job else "unknown"
+
+    @app.post("/v1/jobs", status_code=202, response_model=JobCreated,
+              responses={200: {"model": JobCreated, "description": "replayed intent"},
+                         409: {"model": Problem}, 422: {"model": Problem}})
+    def create_job(req: JobRequest, t: Tenant, idempotency_key: IdemKey,
+                   response: Response) -> JobCreated:
+        """Create a job (202), or return the job of a replayed Idempotency-Key (200)."""
+        job_id, created = intake(event_for(t, idempotency_key, req))
+        if not created:
+            response.status_code = 200
+            response.headers["Idempotent-Replayed"] = "true"
+        return JobCreated(job_id=job_id, status=job_status(job_id))
+
+    def view(t: str, job_id: uuid.UUID) -> JobView:
+        with ctx.store.tx() as conn:
+            job = conn.execute(Q["api_job"], (job_id, t)).fetchone()
+            if job is None:
+                raise _problem(404, "not_found", f"no job {job_id}")
+            stages = list(conn.execute(Q["api_job_stages"], (job_id,)))
+            attempts = list(conn.execute(Q["api_job_attempts"], (job_id,)))
+            result = None
+            if job["status"] == "succeeded":
+                row = conn.execute(Q["get_stage"], (job_id, "validated")).fetchone()
+                result = row["output"] if row else None
+        started, finished = job["first_started_at"], job["finished_at"]
+        return JobView(
+            job_id=job_id, status=job["status"], current_stage=job["current_stage"],
+            stages_done=sum(s["status"] == "succeeded" for s in stages),
+            stages_total=len(STAGES), lane=job["lane"], filename=job["filename"],
+            pipeline=job["pipeline"], prompt_version=job["prompt_version"],
+            model_profile=job["model_profile"],
+            attempts=sum(s["attempt"] for s in stages if s["stage"] != "uploaded"),
+            provider_attempts=[AttemptView(**a) for a in attempts],
+            cost_so_far_usd=job["cost_so_far_usd"], charge_usd=float(job["charge_usd"]),
+            cancel_requested=job["cancel_requested"], error_code=job["error_code"],
+            error=job["error"], created_at=job["created_at"], finished_at=finished,
+            queue_wait_s=(started - job["created_at"]).total_seconds() if started else None,
+            run_s=(finished - started).total_seconds() if started and finished else None,
+            stages=[StageView(**s) for s in sorted(stages, key=lambda s: STAGES.index(s["stage"]))],
+            result=result)
+
+    @app.get("/v1/jobs/{job_id}", response_model=JobView)
+    def get_job(job_id: uuid.UUID, t: Tenant) -> JobView:
+        """The job's status, stages, provider attempts, cost so far and result. Another
+        tenant's job is 404."""
+        return view(t, job_id)
+
+    @app.post("/v1/jobs/{job_id}/cancel", status_code=202, response_model=JobCreated)
+    def cancel_job(job_id: uuid.UUID, t: Tenant) -> JobCreated:
+        """Ask the job to stop: workers stop before the next provider call and abort an
+        in-flight one; a job with no running stage ends ``cancelled`` at once. Cancelling a
+        finished job changes nothing."""
+        with ctx.store.tx() as conn:
+            row = conn.execute(Q["request_cancel"], (job_id, t)).fetchone()
+            if row is None:
+                raise _problem(404, "not_found", f"no job {job_id}")
+            if row["status"] not in TERMINAL:
+                conn.execute(Q["cancel_waiting_jobs"], ([job_id],))
+        return JobCreated(job_id=job_id, status=job_status(job_id))
+
+    @app.get("/v1/jobs/{job_id}/events")
+    async def job_events(job_id: uuid.UUID, t: Tenant, request: Request,
+                         poll_s: float = 0.5) -> StreamingResponse:
+        """Server-Sent Events: a ``progress`` event (the JobView as JSON) whenever the job
+        changes, ending with the terminal state."""
+        view(t, job_id)  # 404 before the stream starts
+
+        async def stream() -> AsyncIterator[str]:
+            last = None
+            while not await request.is_disconnected():
+                v = await asyncio.to_thread(view, t, job_id)
+                body = v.model_dump_json()
+                if body != last:
+                    yield f"event: progress\ndata: {body}\n\n"
+                    last = body
+                if v.status in TERMINAL:
+                    yield f"event: end\ndata: {json.dumps({'status': v.status})}\n\n"
+                    return
+                await asyncio.sleep(max(0.1, min(poll_s, 5.0)))
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/batches", status_code=202, response_model=BatchView,
+              responses={200: {"model": BatchView}, 409: {"model": Problem},
+                         422: {"model": Problem}})
+    def create_batch(req: BatchRequest, t: Tenant, idempotency_key: IdemKey,
+                     response: Response) -> BatchView:
+        """Create up to 1000 jobs in ONE transaction (document i gets the idempotency key
+        ``<key>:<i>``). The same key again returns the same batch; another body is 409."""
+        events = [event_for(t, f"{idempotency_key}:{i}", d, req.lane)
+                  for i, d in enumerate(req.documents)]
+        rh = sha256_hex(canonical_json([e.payload.model_dump(mode="json") for e in events]))
+        with ctx.store.tx() as conn:
+            found = conn.execute(Q["find_batch"], (t, idempotency_key)).fetchone()
+            if found:
+                if found["request_hash"] != rh:
+                    raise _problem(409, "idempotency_key_conflict",
+                                   f"batch key {idempotency_key!r} was used for another body")
+                batch_id = found["batch_id"]
+                response.status_code = 200
+                response.headers["Idempotent-Replayed"] = "true"
+            else:
+                batch_id = uuid.uuid4()
+                conn.execute(Q["insert_batch"], (batch_id, t, idempotency_key, rh, req.lane))
+                for i, ev in enumerate(events):
+                    job_id, _ = intake(ev, conn)
+                    conn.execute(Q["insert_batch_job"], (batch_id, i, job_id))
+        return batch_view(t, batch_id)
+
+    def batch_view(t: str, batch_id: uuid.UUID) -> BatchView:
+        with ctx.store.tx() as conn:
+            row = conn.execute(Q["api_batch"], (batch_id, t)).fetchone()
+            if row is None:
+                raise _problem(404, "not_found", f"no batch {batch_id}")
+            ids = [r["job_id"] for r in conn.execute(Q["batch_job_ids"], (batch_id, t))]
+        return BatchView(**{k: row[k] for k in BatchView.model_fields if k != "job_ids"},
+                         job_ids=ids)
+
+    @app.get("/v1/batches/{batch_id}", response_model=BatchView)
+    def get_batch(batch_id: uuid.UUID, t: Tenant) -> BatchView:
+        """Counts per status and cost so far of a batch (one query)."""
+        return batch_view(t, batch_id)
+
+    @app.post("/v1/batches/{batch_id}/cancel", status_code=202, response_model=BatchView)
+    def cancel_batch(batch_id: uuid.UUID, t: Tenant) -> BatchView:
+        """Cancel every unfinished job of the batch: queued stages are skipped when their
+        events arrive, running ones stop before their next provider call."""
+        with ctx.store.tx() as conn:
+            if conn.execute(Q["mark_batch_cancelled"], (batch_id, t)).fetchone() is None:
+                raise _problem(404, "not_found", f"no batch {batch_id}")
+            conn.execute(Q["request_cancel_batch"], (batch_id,))
+            ids = [r["job_id"] for r in conn.execute(Q["batch_job_ids"], (batch_id, t))]
+            conn.execute(Q["cancel_waiting_jobs"], (ids,))
+        return batch_view(t, batch_id)
+
+    @app.get("/healthz", include_in_schema=False)
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return app
+
+
+def main(settings: Settings, host: str, port: int) -> int:
+    """Serve the API with uvicorn until SIGINT/SIGTERM; returns the exit code."""
+    import uvicorn
+    if not settings.api_tokens:
+        raise SystemExit("no API tokens configured: set JOBSTREAM_API_TOKENS, e.g. "
+                         "'{\"secret-token\": \"acme\"}' (token -> tenant)")
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="info")
+    return 0

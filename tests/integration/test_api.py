@@ -1,0 +1,155 @@
+"""The HTTP API as a real uvicorn process against real Postgres and Kafka."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from jobstream.llm.fake_provider import FakeProvider
+from jobstream.settings import Settings
+from tests.helpers import ProcessRunner, query, wait_for
+
+pytestmark = pytest.mark.integration
+
+TOKENS = {"tok-acme": "acme", "tok-other": "other"}
+ACME = {"Authorization": "Bearer tok-acme"}
+OTHER = {"Authorization": "Bearer tok-other"}
+LICENSES = Path("/usr/share/common-licenses")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def api(procs: ProcessRunner) -> Iterator[str]:
+    port = _free_port()
+    procs.start("api", "--port", str(port), JOBSTREAM_API_TOKENS=json.dumps(TOKENS))
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+    wait_for(up, 30, "the API to answer", procs.logs)
+    yield url
+
+
+def _post(url: str, key: str, body: dict, headers: dict = ACME) -> httpx.Response:
+    return httpx.post(f"{url}/v1/jobs", json=body, headers={**headers, "Idempotency-Key": key},
+                      timeout=30)
+
+
+def test_idempotent_post_same_key_same_job_409_on_other_body_404_for_other_tenant(
+        api: str, settings: Settings) -> None:
+    body = {"filename": "bsd.txt", "text": (LICENSES / "BSD").read_text()}
+    first = _post(api, "k1", body)
+    assert first.status_code == 202, first.text
+    job_id = first.json()["job_id"]
+    again = _post(api, "k1", body)
+    assert again.status_code == 200 and again.json()["job_id"] == job_id
+    assert again.headers["Idempotent-Replayed"] == "true"
+
+    # 20 concurrent identical POSTs with a fresh key: one job.
+    body2 = {"filename": "mpl.txt", "text": (LICENSES / "MPL-2.0").read_text()}
+    with ThreadPoolExecutor(20) as pool:
+        answers = list(pool.map(lambda _: _post(api, "k20", body2), range(20)))
+    assert {a.status_code for a in answers} <= {200, 202}, [a.text for a in answers]
+    assert sum(a.status_code == 202 for a in answers) == 1
+    assert len({a.json()["job_id"] for a in answers}) == 1
+    assert query(settings.database_url, "SELECT count(*) AS n FROM job_request "
+                 "WHERE idempotency_key = 'k20'")[0]["n"] == 1
+
+    conflict = _post(api, "k1", {"filename": "bsd.txt", "text": "something else entirely"})
+    assert conflict.status_code == 409 and conflict.json()["code"] == "idempotency_key_conflict"
+
+    assert httpx.get(f"{api}/v1/jobs/{job_id}", headers=OTHER).status_code == 404
+    assert httpx.get(f"{api}/v1/jobs/{job_id}").status_code == 401
+    assert _post(api, "k3", body, headers={"Authorization": "Bearer nope"}).status_code == 401
+    r = httpx.post(f"{api}/v1/jobs", json=body, headers=ACME)
+    assert r.status_code == 422  # Idempotency-Key is required
+    bad = _post(api, "k4", {"text": "x", "model_profile": "no-such-model"})
+    assert bad.status_code == 422 and bad.json()["code"] == "unknown_model_profile"
+    # The tenant is never taken from the body.
+    assert _post(api, "k5", {**body, "tenant_id": "other"}).status_code == 422
+
+
+def test_get_on_a_running_job_shows_stages_and_cost_increasing_live_and_sse(
+        api: str, procs: ProcessRunner, settings: Settings) -> None:
+    with FakeProvider({"default": {"latency_s": 0.4}}) as fake:
+        procs.pipeline(JOBSTREAM_PROVIDER_BASE_URL=fake.base_url,
+                       JOBSTREAM_CHUNK_SIZE_CHARS="1500")
+        r = _post(api, "live", {"filename": "gpl2.txt", "model_profile": "custom",
+                                "text": (LICENSES / "GPL-2").read_text()})
+        job_id = r.json()["job_id"]
+        seen_cost, seen_stages = [], []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            v = httpx.get(f"{api}/v1/jobs/{job_id}", headers=ACME, timeout=10).json()
+            seen_cost.append(v["cost_so_far_usd"])
+            seen_stages.append(v["stages_done"])
+            if v["status"] == "succeeded":
+                break
+            time.sleep(0.3)
+        assert v["status"] == "succeeded", v
+        assert len(set(seen_cost)) >= 3, seen_cost  # cost rose while the job ran
+        assert seen_cost == sorted(seen_cost) and seen_stages == sorted(seen_stages)
+        assert v["stages_done"] == v["stages_total"] == 6
+        assert v["result"]["title"] and v["provider_attempts"]
+        assert all(a["outcome"] == "succeeded" for a in v["provider_attempts"])
+        assert v["queue_wait_s"] is not None and v["run_s"] > 0
+        assert v["charge_usd"] > 0
+
+        # Server-Sent Events for a finished job: progress, then end.
+        with httpx.stream("GET", f"{api}/v1/jobs/{job_id}/events", headers=ACME,
+                          timeout=30) as resp:
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            text = "".join(resp.iter_text())
+        assert "event: progress" in text and '"status": "succeeded"' in text
+
+
+def test_cancelling_a_batch_mid_way_stops_provider_calls_and_ends_every_job(
+        api: str, procs: ProcessRunner, settings: Settings) -> None:
+    docs = [{"filename": f"doc-{i}.txt", "model_profile": "custom",
+             "text": f"Document number {i}. " + "Some words make a sentence here. " * 60}
+            for i in range(40)]
+    with FakeProvider({"default": {"latency_s": 0.3}}) as fake:
+        procs.pipeline(JOBSTREAM_PROVIDER_BASE_URL=fake.base_url,
+                       JOBSTREAM_CHUNK_SIZE_CHARS="600")
+        r = httpx.post(f"{api}/v1/batches", json={"documents": docs},
+                       headers={**ACME, "Idempotency-Key": "b1"}, timeout=60)
+        assert r.status_code == 202, r.text
+        batch = r.json()
+        assert batch["jobs"] == 40
+        wait_for(lambda: fake.snapshot()["total"] >= 5, 60, "some provider calls", procs.logs)
+        c = httpx.post(f"{api}/v1/batches/{batch['batch_id']}/cancel", headers=ACME, timeout=30)
+        assert c.status_code == 202
+
+        def settled() -> bool:
+            v = httpx.get(f"{api}/v1/batches/{batch['batch_id']}", headers=ACME).json()
+            return v["queued"] + v["running"] + v["needs_reconciliation"] == 0
+        wait_for(settled, 90, "every job of the batch to end", procs.logs)
+        v = httpx.get(f"{api}/v1/batches/{batch['batch_id']}", headers=ACME).json()
+        assert v["cancelled"] >= 1 and v["succeeded"] + v["failed"] + v["cancelled"] == 40
+        calls_at_end = fake.snapshot()["total"]
+        time.sleep(3)  # nothing left that would restart work
+        assert fake.snapshot()["total"] == calls_at_end
+        late = query(settings.database_url,
+                     "SELECT count(*) AS n FROM provider_attempt a JOIN job j USING (job_id) "
+                     "WHERE j.cancel_requested AND a.started_at > j.cancel_requested_at")
+        assert late[0]["n"] == 0  # no provider call started after the cancel committed
+        attempts = query(settings.database_url, "SELECT count(*) AS n FROM provider_attempt")
+        assert attempts[0]["n"] == fake.snapshot()["total"]
+        cancelled = query(settings.database_url,
+                          "SELECT error_code FROM job WHERE status = 'cancelled'")
+        assert {c["error_code"] for c in cancelled} == {"cancelled_by_user"}

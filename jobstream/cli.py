@@ -83,14 +83,22 @@ def relay() -> None:
 
 
 @main.command()
-@click.option("--stages", default="intake,extract,chunk,llm,validate,publish", show_default=True,
-              help="Comma-separated agents to run in this process.")
-def worker(stages: str) -> None:
-    """Run the faust stage workers (consumer group <prefix>jobstream-streams)."""
+@click.option("--lane", type=click.Choice(["all", "interactive", "batch"]), default="all",
+              show_default=True, help="all: every agent in one consumer group; interactive / "
+              "batch: separate consumer pools for the costly LLM stage (run both kinds).")
+@click.option("--stages", default=None,
+              help="Comma-separated agents (default: the lane's): intake, extract, chunk, llm, "
+                   "llm_batch, validate, publish.")
+def worker(lane: str, stages: str | None) -> None:
+    """Run faust stage workers (consumer group <prefix>jobstream-streams[-<lane>])."""
     from faust import Worker
 
     from streams.app import create_app
-    app, ctx = create_app(get_settings(), [s.strip() for s in stages.split(",") if s.strip()])
+    chosen = [s.strip() for s in stages.split(",") if s.strip()] if stages else None
+    try:
+        app, ctx = create_app(get_settings(), chosen, lane=lane)
+    except KeyError as exc:
+        raise click.UsageError(str(exc)) from None
     Worker(app, loglevel=logging.getLevelName(logging.getLogger().level).lower(),
            quiet=True).execute_from_commandline()
 

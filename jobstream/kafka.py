@@ -15,16 +15,23 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from jobstream.settings import Settings
 
-#: Logical topics of the pipeline, in flow order.
+#: Logical topics of the pipeline, in flow order. The costly stage has one topic per lane:
+#: batch work waits in its own topic and consumer pool, never ahead of a person's document.
 PIPELINE_TOPICS = ("document.uploaded", "job.accepted", "job.text_extracted", "job.chunks_ready",
-                   "job.llm_done", "job.validated", "job.ready", "job.failed")
+                   "job.chunks_ready.batch", "job.llm_done", "job.validated", "job.ready",
+                   "job.failed")
+#: Topics the faust stage workers consume, hence with ``.retry`` and ``.dlq`` twins.
+STAGE_TOPICS = ("document.uploaded", "job.accepted", "job.text_extracted", "job.chunks_ready",
+                "job.chunks_ready.batch", "job.llm_done", "job.validated")
 #: Topics something consumes, hence with a dead-letter twin.
-CONSUMED_TOPICS = ("document.uploaded", "job.accepted", "job.text_extracted", "job.chunks_ready",
-                   "job.llm_done", "job.validated", "job.ready")
+CONSUMED_TOPICS = (*STAGE_TOPICS, "job.ready")
+#: Event types whose topic depends on the job's lane: event type -> topic of the batch lane.
+LANE_TOPICS = {"job.chunks_ready": "job.chunks_ready.batch"}
 
 
-#: Topics the faust stage workers consume, hence with a ``.retry`` twin.
-STAGE_TOPICS = CONSUMED_TOPICS[:-1]
+def topic_for(event_type: str, lane: str | None) -> str:
+    """Logical topic of an event of ``event_type`` for a job of ``lane``."""
+    return LANE_TOPICS.get(event_type, event_type) if lane == "batch" else event_type
 
 
 def all_topics(settings: Settings) -> list[str]:

@@ -104,6 +104,16 @@ class Settings(BaseSettings):
     sweep_grace_s: float = Field(
         30.0, ge=0, description="Sweeper: re-drive stages whose lease expired this long ago."
     )
+    llm_concurrency: int = Field(
+        4, ge=1, description="Chunk-stage events one worker's LLM agent runs at once."
+    )
+    provider_max_concurrency: int = Field(
+        8, ge=1, description="Provider calls in flight over ALL workers and both lanes, per "
+                             "remote profile: the AIMD limit's ceiling."
+    )
+    provider_interactive_reserved: int = Field(
+        1, ge=0, description="Slots of the shared limit that batch work may never take."
+    )
     chunk_size_chars: int = Field(4000, ge=200, description="Target chunk size (characters).")
     lease_s: float = Field(120.0, gt=0, description="Stage lease length (seconds).")
     document_roots: list[str] = Field(

@@ -33,7 +33,9 @@ from jobstream.errors import (
     RetryableError,
     StaleRun,
 )
+from jobstream.kafka import topic_for
 from jobstream.keys import canonical_json, dedup_key, request_hash, sha256_hex
+from jobstream.limiter import SharedLimiter, Slot
 from jobstream.llm.client import CallCancelled, ProviderClient, backoff_s
 from jobstream.llm.profiles import PIPELINES, ModelProfile, get_profile, get_prompt
 from jobstream.settings import Settings
@@ -99,6 +101,18 @@ class StageContext:
     store: Store
     _clients: dict[str, ProviderClient] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _limiter: SharedLimiter | None = None
+
+    @property
+    def limiter(self) -> SharedLimiter:
+        """The provider concurrency limit shared by all workers (made on first use)."""
+        with self._lock:
+            if self._limiter is None:
+                s = self.settings
+                self._limiter = SharedLimiter(self.store, max_limit=s.provider_max_concurrency,
+                                              reserved=s.provider_interactive_reserved,
+                                              hold_s=s.provider_timeout_s + 30)
+            return self._limiter
 
     def code_version(self, stage: str) -> str:
         """The code version of ``stage`` in force (settings may override the built-in one)."""
@@ -277,45 +291,21 @@ def _call_provider(ctx: StageContext, claim: Claim, profile: ModelProfile, promp
     for round_attempt in range(1, s.provider_max_attempts + 1):
         ctx.store.renew_lease(claim, s.lease_s)
         attempt = _check_budget(ctx, claim, chunk["idx"])
-        attempt_id = ctx.store.start_attempt(claim, chunk_idx=chunk["idx"], attempt=attempt,
-                                             model=client.model)
-        if attempt_id is None:
-            raise JobCancelled("cancelled before the next provider call")
+        slot = _take_slot(ctx, claim, profile) if profile.base_url else None
+        outcome = "other"
         try:
-            done = client.complete(prompt, chunk["text"],
-                                   idempotency_key=f"{job_id}:{chunk['idx']}",
-                                   should_abort=abort)
-        except CallCancelled as exc:
-            # "External call cancelled": a fact of the attempt, not of the job.
-            ctx.store.finish_attempt(attempt_id, outcome="cancelled", error=str(exc))
-            raise JobCancelled(f"chunk {chunk['idx']}: {exc}") from None
-        except RetryableError as exc:
-            ctx.store.finish_attempt(attempt_id, outcome="transient_error", error=str(exc),
-                                     status_code=_status_of(exc))
-            retry_after = exc.retry_after_s
-            wait = max(retry_after or 0.0, backoff_s(round_attempt - 1, s.provider_backoff_base_s,
-                                                     s.provider_backoff_cap_s))
-            last = exc
-        except OutcomeUnknown as exc:
-            # Never recorded as a failure: the provider may have done (and billed) the work.
-            ctx.store.finish_attempt(attempt_id, outcome="outcome_unknown", error=str(exc))
-            if policy != "retry":
-                raise NeedsReconciliation(f"chunk {chunk['idx']}: {exc}") from None
-            # Interactive: retry (the Idempotency-Key header lets a provider dedupe it).
-            wait = backoff_s(round_attempt - 1, s.provider_backoff_base_s,
-                             s.provider_backoff_cap_s)
-            last = exc
-        except PermanentError as exc:
-            ctx.store.finish_attempt(attempt_id, outcome="permanent_error", error=str(exc),
-                                     status_code=_status_of(exc))
-            raise
-        else:
-            cost = profile.cost_usd(done.prompt_tokens, done.completion_tokens)
-            ctx.store.finish_attempt(attempt_id, outcome="succeeded",
-                                     status_code=done.status_code, latency_ms=done.latency_ms,
-                                     prompt_tokens=done.prompt_tokens,
-                                     completion_tokens=done.completion_tokens, cost_usd=cost)
-            return done.content, attempt_id
+            attempt_id = ctx.store.start_attempt(claim, chunk_idx=chunk["idx"],
+                                                 attempt=attempt, model=client.model)
+            if attempt_id is None:
+                raise JobCancelled("cancelled before the next provider call")
+            done, outcome, wait, last, retry_after = _one_attempt(
+                ctx, claim, client, profile, prompt, chunk, attempt_id, abort, policy,
+                round_attempt, retry_after, last)
+        finally:
+            if slot is not None:
+                ctx.limiter.release(slot, outcome)
+        if done is not None:
+            return done
         if round_attempt == s.provider_max_attempts or time.monotonic() + wait > deadline:
             break
         log.info("provider attempt %d for job %s chunk %d failed (%s); retrying in %.2fs",
@@ -323,6 +313,67 @@ def _call_provider(ctx: StageContext, claim: Claim, profile: ModelProfile, promp
         time.sleep(wait)
     raise RetryableError(f"provider still failing after {round_attempt} attempts: {last}",
                          code="provider_unavailable", retry_after_s=retry_after)
+
+
+def _take_slot(ctx: StageContext, claim: Claim, profile: ModelProfile) -> Slot:
+    """Wait for a slot of the shared limit, renewing the lease and honouring a cancel."""
+    job_id = claim.job["job_id"]
+    last_renew = time.monotonic()
+
+    def on_wait() -> None:
+        nonlocal last_renew
+        if time.monotonic() - last_renew > ctx.settings.lease_s / 3:
+            ctx.store.renew_lease(claim, ctx.settings.lease_s)
+            if ctx.store.cancel_requested(job_id):
+                raise JobCancelled("cancelled while waiting for a provider slot")
+            last_renew = time.monotonic()
+
+    return ctx.limiter.acquire(profile.name, claim.job["lane"], job_id,
+                               timeout_s=ctx.settings.provider_deadline_s, on_wait=on_wait)
+
+
+def _one_attempt(ctx: StageContext, claim: Claim, client: ProviderClient, profile: ModelProfile,
+                 prompt: str, chunk: dict[str, Any], attempt_id: int, abort: Any, policy: str,
+                 round_attempt: int, retry_after: float | None, last: Exception | None
+                 ) -> tuple[Any, str, float, Exception | None, float | None]:
+    """One provider request and its record. Returns ``(answer or None, limiter outcome,
+    wait before the next attempt (s), last error, retry_after)``; raises what must end the
+    stage run (permanent, cancelled, needs reconciliation)."""
+    s = ctx.settings
+    job_id = claim.job["job_id"]
+    try:
+        done = client.complete(prompt, chunk["text"],
+                               idempotency_key=f"{job_id}:{chunk['idx']}",
+                               should_abort=abort)
+    except CallCancelled as exc:
+        # "External call cancelled": a fact of the attempt, not of the job.
+        ctx.store.finish_attempt(attempt_id, outcome="cancelled", error=str(exc))
+        raise JobCancelled(f"chunk {chunk['idx']}: {exc}") from None
+    except RetryableError as exc:
+        ctx.store.finish_attempt(attempt_id, outcome="transient_error", error=str(exc),
+                                 status_code=_status_of(exc))
+        wait = max(exc.retry_after_s or 0.0, backoff_s(
+            round_attempt - 1, s.provider_backoff_base_s, s.provider_backoff_cap_s))
+        return None, exc.code, wait, exc, exc.retry_after_s
+    except OutcomeUnknown as exc:
+        # Never recorded as a failure: the provider may have done (and billed) the work.
+        ctx.store.finish_attempt(attempt_id, outcome="outcome_unknown", error=str(exc))
+        if policy != "retry":
+            raise NeedsReconciliation(f"chunk {chunk['idx']}: {exc}") from None
+        # Interactive: retry (the Idempotency-Key header lets a provider dedupe it).
+        wait = backoff_s(round_attempt - 1, s.provider_backoff_base_s,
+                         s.provider_backoff_cap_s)
+        return None, "outcome_unknown", wait, exc, retry_after
+    except PermanentError as exc:
+        ctx.store.finish_attempt(attempt_id, outcome="permanent_error", error=str(exc),
+                                 status_code=_status_of(exc))
+        raise
+    cost = profile.cost_usd(done.prompt_tokens, done.completion_tokens)
+    ctx.store.finish_attempt(attempt_id, outcome="succeeded",
+                             status_code=done.status_code, latency_ms=done.latency_ms,
+                             prompt_tokens=done.prompt_tokens,
+                             completion_tokens=done.completion_tokens, cost_usd=cost)
+    return (done.content, attempt_id), "succeeded", 0.0, last, retry_after
 
 
 def _status_of(exc: Exception) -> int | None:
@@ -472,7 +523,7 @@ def run_stage(ctx: StageContext, ev: Any) -> str:
             nxt = spec.emits(**common, idempotency_key=got.job["idempotency_key"],
                              payload=got.emitted)
             ok = ctx.store.reemit(job=got.job, group=group, event_type=ev.event_type,
-                                  event_id=ev.event_id, next_msg=_msg(ctx, nxt),
+                                  event_id=ev.event_id, next_msg=_msg(ctx, nxt, got.job["lane"]),
                                   final=spec.stage == STAGES[-1])
             return "reused" if ok else "skipped:duplicate"
         if isinstance(got, LeaseHeld):
@@ -497,7 +548,8 @@ def run_stage(ctx: StageContext, ev: Any) -> str:
         ctx.store.complete(claim, output=result.output, input_hash=result.input_hash,
                            code_version=result.code_version, cost_usd=result.cost_usd,
                            group=group, event_type=ev.event_type, event_id=ev.event_id,
-                           next_msg=_msg(ctx, next_event), chunks=result.chunks,
+                           next_msg=_msg(ctx, next_event, claim.job["lane"]),
+                           chunks=result.chunks,
                            charge_usd=result.charge_usd, later_stages=later)
         return "done"
     except JobCancelled:
@@ -532,8 +584,9 @@ def run_stage(ctx: StageContext, ev: Any) -> str:
         return "stale"
 
 
-def _msg(ctx: StageContext, event: Any) -> OutboxMessage:
-    return outbox_message(ctx.settings.topic(event.event_type), event)
+def _msg(ctx: StageContext, event: Any, lane: str | None = None) -> OutboxMessage:
+    """The outbox row of ``event``, on the topic of the job's ``lane`` (see LANE_TOPICS)."""
+    return outbox_message(ctx.settings.topic(topic_for(event.event_type, lane)), event)
 
 
 #: The event type each checkpoint's stage consumes, and the stage before it.
@@ -566,7 +619,7 @@ def redrive(ctx: StageContext, job_id: uuid.UUID, from_stage: str | None = None,
                    request_id=job["request_id"], generation=job["generation"] + 1,
                    payload=prev["emitted"])
         stages_from = list(STAGES[STAGES.index(from_stage):])
-        return (_msg(ctx, ev), stages_from, [ctx.group(st) for st in stages_from],
+        return (_msg(ctx, ev, job["lane"]), stages_from, [ctx.group(st) for st in stages_from],
                 [CONSUMES[st] for st in stages_from])
 
     ctx.store.redrive(job_id, plan=plan, allowed=allowed)

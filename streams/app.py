@@ -16,23 +16,33 @@ from jobstream.stages import StageContext
 from jobstream.store import Store
 from streams import chunk, extract, intake, llm, publish, validate
 
-AGENT_MODULES = {"intake": intake, "extract": extract, "chunk": chunk, "llm": llm,
-                 "validate": validate, "publish": publish}
+AGENTS = {"intake": intake.register, "extract": extract.register, "chunk": chunk.register,
+          "llm": llm.register, "llm_batch": llm.register_batch, "validate": validate.register,
+          "publish": publish.register}
+#: Which agents a worker of each lane runs. ``all`` is one process for everything; the lanes
+#: split the costly stage into two consumer pools (run one or the other style, not both).
+LANES = {"all": tuple(AGENTS), "interactive": tuple(a for a in AGENTS if a != "llm_batch"),
+         "batch": ("llm_batch",)}
 
 
 def create_app(settings: Settings, stages: Iterable[str] | None = None,
-               store: Store | None = None) -> tuple[faust.App, StageContext]:
-    """Build the faust app with the agents of ``stages`` (default: all six).
+               store: Store | None = None, lane: str = "all") -> tuple[faust.App, StageContext]:
+    """Build the faust app of one worker process.
 
-    Raises ``KeyError`` for an unknown stage name.
+    ``lane`` picks the agents (:data:`LANES`) and the consumer group
+    (``<prefix>jobstream-streams`` for ``all``, ``…-interactive`` / ``…-batch`` for a lane);
+    ``stages`` narrows the agents further. Raises ``KeyError`` for an unknown lane or stage.
     """
-    names = list(stages or AGENT_MODULES)
-    unknown = [n for n in names if n not in AGENT_MODULES]
+    if lane not in LANES:
+        raise KeyError(f"unknown lane {lane!r}; known: {list(LANES)}")
+    names = list(stages or LANES[lane])
+    unknown = [n for n in names if n not in AGENTS]
     if unknown:
-        raise KeyError(f"unknown stages {unknown}; known: {list(AGENT_MODULES)}")
+        raise KeyError(f"unknown stages {unknown}; known: {list(AGENTS)}")
     session_s = settings.consumer_session_timeout_ms / 1000
+    group = settings.group("jobstream-streams" + ("" if lane == "all" else f"-{lane}"))
     app = faust.App(
-        settings.group("jobstream-streams"),
+        group,
         broker=[f"kafka://{h.strip()}" for h in settings.kafka_bootstrap_servers.split(",")],
         store="memory://",
         web_enabled=False,
@@ -46,7 +56,8 @@ def create_app(settings: Settings, stages: Iterable[str] | None = None,
         producer_acks=-1,
         processing_guarantee="at_least_once",
     )
-    ctx = StageContext(settings=settings, store=store or Store(settings.database_url))
+    ctx = StageContext(settings=settings, store=store or Store(
+        settings.database_url, max_size=max(8, 2 * settings.llm_concurrency + 4)))
     for name in names:
-        AGENT_MODULES[name].register(app, ctx)
+        AGENTS[name](app, ctx)
     return app, ctx

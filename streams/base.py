@@ -72,15 +72,18 @@ def retry_delay_s(round_no: int, base_s: float, cap_s: float, retry_after_s: flo
 
 
 def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consumes: str,
-                         handler: Callable[[StageContext, Any], Any]) -> Any:
-    """Register the agent of topic ``consumes`` (logical name) running ``handler(ctx, event)``,
-    and its retry agent on ``<consumes>.retry``. Returns the main agent."""
+                         handler: Callable[[StageContext, Any], Any],
+                         topic_name: str | None = None, concurrency: int = 1) -> Any:
+    """Register the agent of topic ``topic_name`` (logical name; default ``consumes``, the
+    event type it accepts) running ``handler(ctx, event)`` in up to ``concurrency`` events at
+    once, and its retry agent on ``<topic>.retry``. Returns the main agent."""
     s = ctx.settings
     kw: dict[str, Any] = {"value_serializer": "raw", "key_serializer": "raw",
                           "partitions": s.topic_partitions}
-    topic = app.topic(s.topic(consumes), **kw)
-    retry_topic = app.topic(s.topic(consumes + ".retry"), **kw)
-    dlq = app.topic(s.topic(consumes + ".dlq"), **kw)
+    source = topic_name or consumes
+    topic = app.topic(s.topic(source), **kw)
+    retry_topic = app.topic(s.topic(source + ".retry"), **kw)
+    dlq = app.topic(s.topic(source + ".dlq"), **kw)
 
     async def dead_letter(event: faust.EventT, code: str, reason: str) -> None:
         msg = event.message
@@ -106,7 +109,7 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
                                      or msg.topic).encode(),
         }
         log.warning("%s: transient failure (%s); retry round %d in %.1fs via %s", name, exc,
-                    round_no, delay, s.topic(consumes + ".retry"))
+                    round_no, delay, s.topic(source + ".retry"))
         fut = await retry_topic.send(key=msg.key, value=msg.value, headers=headers)
         await fut
 
@@ -168,4 +171,4 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
     agent.__name__ = name
     retry_agent.__name__ = f"{name}_retry"
     app.agent(retry_topic, name=f"{name}_retry", concurrency=1)(retry_agent)
-    return app.agent(topic, name=name, concurrency=1)(agent)
+    return app.agent(topic, name=name, concurrency=concurrency)(agent)

@@ -421,3 +421,50 @@ SELECT b.batch_id, b.lane, b.cancel_requested, b.created_at, count(*) AS jobs,
                       WHERE a.job_id = j.job_id) c ON true
  WHERE b.batch_id = %s AND b.tenant_id = %s
  GROUP BY b.batch_id;
+
+-- ---------------------------------------------------------------- shared provider limit (AIMD)
+
+-- name: limit_ensure
+INSERT INTO provider_limit (profile, limit_now, max_limit, interactive_reserved)
+VALUES (%s, %s, %s, %s)
+ON CONFLICT (profile) DO UPDATE SET max_limit = EXCLUDED.max_limit,
+       interactive_reserved = EXCLUDED.interactive_reserved,
+       limit_now = least(provider_limit.limit_now, EXCLUDED.max_limit);
+
+-- name: limit_lock
+SELECT limit_now, max_limit, interactive_reserved FROM provider_limit WHERE profile = %s
+   FOR UPDATE;
+
+-- name: slots_expire
+DELETE FROM provider_slot WHERE profile = %s AND expires_at < now();
+
+-- name: slots_active
+SELECT count(*) AS total, count(*) FILTER (WHERE lane = 'batch') AS batch
+  FROM provider_slot WHERE profile = %s;
+
+-- name: slot_insert
+INSERT INTO provider_slot (profile, lane, job_id, expires_at)
+VALUES (%s, %s, %s, now() + make_interval(secs => %s))
+RETURNING slot_id;
+
+-- name: slot_release
+DELETE FROM provider_slot WHERE slot_id = %s;
+
+-- name: limit_increase
+-- Additive increase: one more slot per window's worth of successes (RFC 5681 §3.1).
+UPDATE provider_limit SET limit_now = least(max_limit, limit_now + 1.0 / greatest(limit_now, 1)),
+                          updated_at = now()
+ WHERE profile = %s;
+
+-- name: limit_decrease
+-- Multiplicative decrease on 429, at most once per window (a burst of 429s is one signal).
+UPDATE provider_limit SET limit_now = greatest(1, limit_now / 2), decreases = decreases + 1,
+                          last_decrease_at = now(), updated_at = now()
+ WHERE profile = %s AND last_decrease_at < now() - make_interval(secs => %s)
+RETURNING limit_now;
+
+-- name: limit_state
+SELECT profile, limit_now, max_limit, interactive_reserved, decreases,
+       (SELECT count(*) FROM provider_slot s WHERE s.profile = l.profile
+           AND s.expires_at > now()) AS in_flight
+  FROM provider_limit l ORDER BY profile;

@@ -132,9 +132,9 @@ def consume_ready() -> None:
               show_default=True)
 @click.option("--prompt-version", help="Prompt version (default from settings).")
 @click.option("--model-profile", help="Model profile: local, openai, ollama, vllm, custom.")
-def submit(files: tuple[Path, ...], tenant: str, idempotency_key: str | None, lane: str,
-           prompt_version: str | None, model_profile: str | None) -> None:
-    """Publish document.uploaded for FILES (inline bytes)."""
+def publish(files: tuple[Path, ...], tenant: str, idempotency_key: str | None, lane: str,
+            prompt_version: str | None, model_profile: str | None) -> None:
+    """Publish document.uploaded to Kafka for FILES (as another service would)."""
     from jobstream.producer import submit as do_submit
     from jobstream.producer import uploaded_event
     s = get_settings()
@@ -146,13 +146,13 @@ def submit(files: tuple[Path, ...], tenant: str, idempotency_key: str | None, la
               for f in files]
     do_submit(s, events)
     for e in events:
-        click.echo(f"submitted {e.payload.document.filename} key={e.idempotency_key}")
+        click.echo(f"published {e.payload.document.filename} key={e.idempotency_key}")
 
 
 @main.command()
 @click.option("--tenant", required=True, help="Tenant id.")
-def status(tenant: str) -> None:
-    """Show the jobs of a tenant: stage, status, provider calls, cost."""
+def jobs(tenant: str) -> None:
+    """List a tenant's jobs from the database: stage, status, provider calls, cost."""
     from jobstream.db import QUERIES, connect
     with connect(get_settings().database_url) as conn:
         rows = conn.execute(QUERIES["jobs_of_tenant"], (tenant,)).fetchall()
@@ -164,6 +164,177 @@ def status(tenant: str) -> None:
                   f"{r['stages_done']}/6", str(r["provider_calls"]), f"{r['cost_usd']:.6f}",
                   r["error_code"] or "")
     Console().print(t)
+
+
+_api_url = click.option("--api", "api_url", envvar="JOBSTREAM_API_URL",
+                        default="http://127.0.0.1:8000", show_default=True,
+                        help="API base URL (env JOBSTREAM_API_URL).")
+_api_token = click.option("--token", envvar="JOBSTREAM_API_TOKEN", required=True,
+                          help="Bearer token of your tenant (env JOBSTREAM_API_TOKEN).")
+_TERMINAL = ("succeeded", "failed", "cancelled", "needs_reconciliation")
+
+
+def _client(api_url: str, token: str):  # type: ignore[no-untyped-def]
+    from jobstream.client import ApiClient
+    return ApiClient(api_url, token)
+
+
+def _api_errors(fn):  # type: ignore[no-untyped-def]
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):  # type: ignore[no-untyped-def]
+        from jobstream.client import ApiError
+        try:
+            return fn(*a, **kw)
+        except ApiError as exc:
+            raise click.ClickException(str(exc)) from None
+    return wrapper
+
+
+def _follow(client, ids: list[str], what: str) -> list[dict]:  # type: ignore[no-untyped-def]
+    """Poll jobs until terminal with a progress bar of stages done; returns the final views."""
+    import time
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+    with Progress("{task.description}", BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn()) as bar:
+        task = bar.add_task(what, total=6 * len(ids))
+        while True:
+            views = [client.job(i) for i in ids]
+            bar.update(task, completed=sum(v["stages_done"] for v in views))
+            if all(v["status"] in _TERMINAL for v in views):
+                return views
+            time.sleep(0.5)
+
+
+def _print_jobs(views: list[dict]) -> None:  # type: ignore[type-arg]
+    t = Table()
+    for c in ("job id", "document", "status", "stages", "provider calls", "cost USD", "error"):
+        t.add_column(c)
+    for v in views:
+        t.add_row(v["job_id"], v["filename"], v["status"], f"{v['stages_done']}/6",
+                  str(len(v["provider_attempts"])), f"{v['cost_so_far_usd']:.6f}",
+                  v["error_code"] or "")
+    Console().print(t)
+
+
+@main.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False,
+                                                                    path_type=Path))
+@_api_url
+@_api_token
+@click.option("--idempotency-key", help="Key of this intent (one file; default: a hash of "
+              "the file name and bytes, so submitting the same file again is the same intent).")
+@click.option("--lane", type=click.Choice(["interactive", "batch"]), default="interactive",
+              show_default=True)
+@click.option("--prompt-version", help="Prompt version (default: the server's).")
+@click.option("--model-profile", help="Model profile: local, openai, ollama, vllm, custom.")
+@click.option("--wait/--no-wait", default=True, show_default=True,
+              help="Follow the jobs to the end with a progress bar.")
+@_api_errors
+def submit(files: tuple[Path, ...], api_url: str, token: str, idempotency_key: str | None,
+           lane: str, prompt_version: str | None, model_profile: str | None,
+           wait: bool) -> None:
+    """Create one job per FILE through the HTTP API (and follow them)."""
+    import hashlib
+
+    from jobstream.client import document_body
+    if idempotency_key and len(files) > 1:
+        raise click.UsageError("--idempotency-key names one intent: give one file")
+    client = _client(api_url, token)
+    ids = []
+    for f in files:
+        body = document_body(f, lane=lane, prompt_version=prompt_version,
+                             model_profile=model_profile)
+        key = idempotency_key or "cli-" + hashlib.sha256(
+            f.name.encode() + b"\0" + f.read_bytes()).hexdigest()[:32]
+        r = client.create_job(body, key)
+        ids.append(r["job_id"])
+        click.echo(f"{f.name}: job {r['job_id']} ({r['status']})")
+    if wait:
+        _print_jobs(_follow(client, ids, "stages done"))
+
+
+@main.command()
+@click.argument("job_id")
+@_api_url
+@_api_token
+@click.option("--follow", is_flag=True, help="Wait for the end with a progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Print the API's JSON.")
+@_api_errors
+def status(job_id: str, api_url: str, token: str, follow: bool, as_json: bool) -> None:
+    """Show a job through the API: status, stages, provider attempts, cost, result."""
+    import json as _json
+    client = _client(api_url, token)
+    v = _follow(client, [job_id], "stages done")[0] if follow else client.job(job_id)
+    if as_json:
+        click.echo(_json.dumps(v, indent=2))
+    else:
+        _print_jobs([v])
+        if v.get("result"):
+            click.echo(f"title: {v['result']['title']}\nsummary: {v['result']['summary']}")
+
+
+@main.command()
+@click.argument("job_id")
+@_api_url
+@_api_token
+@_api_errors
+def cancel(job_id: str, api_url: str, token: str) -> None:
+    """Cancel a job through the API (it stops before its next provider call)."""
+    r = _client(api_url, token).cancel(job_id)
+    click.echo(f"job {r['job_id']}: {r['status']}")
+
+
+@main.command()
+@click.argument("files", nargs=-1, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@_api_url
+@_api_token
+@click.option("--idempotency-key", help="Key of the batch (default: a hash of the files).")
+@click.option("--lane", type=click.Choice(["interactive", "batch"]), default="batch",
+              show_default=True)
+@click.option("--status", "status_id", help="Show batch BATCH_ID instead of creating one.")
+@click.option("--cancel", "cancel_id", help="Cancel batch BATCH_ID.")
+@click.option("--wait/--no-wait", default=True, show_default=True)
+@_api_errors
+def batch(files: tuple[Path, ...], api_url: str, token: str, idempotency_key: str | None,
+          lane: str, status_id: str | None, cancel_id: str | None, wait: bool) -> None:
+    """Create a batch of up to 1000 FILES through the API (or --status / --cancel one)."""
+    import hashlib
+    import time
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from jobstream.client import document_body
+    client = _client(api_url, token)
+    if cancel_id:
+        b = client.cancel_batch(cancel_id)
+    elif status_id:
+        b = client.batch(status_id)
+    else:
+        if not files:
+            raise click.UsageError("give FILES, --status BATCH_ID or --cancel BATCH_ID")
+        docs = [document_body(f) for f in files]
+        key = idempotency_key or "cli-batch-" + hashlib.sha256(
+            b"".join(f.name.encode() + b"\0" + f.read_bytes() for f in files)).hexdigest()[:32]
+        b = client.create_batch(docs, key, lane)
+        click.echo(f"batch {b['batch_id']}: {b['jobs']} jobs")
+        if wait:
+            with Progress("{task.description}", BarColumn(), MofNCompleteColumn(),
+                          TimeElapsedColumn()) as bar:
+                task = bar.add_task("jobs finished", total=b["jobs"])
+                while True:
+                    b = client.batch(b["batch_id"])
+                    done = b["succeeded"] + b["failed"] + b["cancelled"]
+                    bar.update(task, completed=done)
+                    if done + b["needs_reconciliation"] >= b["jobs"]:
+                        break
+                    time.sleep(0.5)
+    counts = {k: b[k] for k in ("queued", "running", "succeeded", "failed", "cancelled",
+                                "needs_reconciliation")}
+    click.echo(f"batch {b['batch_id']}: " + ", ".join(f"{k} {v}" for k, v in counts.items())
+               + f"; cost so far {b['cost_so_far_usd']:.6f} USD")
 
 
 def _ctx():  # type: ignore[no-untyped-def]

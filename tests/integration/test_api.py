@@ -153,3 +153,44 @@ def test_cancelling_a_batch_mid_way_stops_provider_calls_and_ends_every_job(
         cancelled = query(settings.database_url,
                           "SELECT error_code FROM job WHERE status = 'cancelled'")
         assert {c["error_code"] for c in cancelled} == {"cancelled_by_user"}
+
+
+def test_schemathesis_finds_no_server_errors_in_the_openapi_spec(api: str) -> None:
+    import shutil
+    import subprocess
+    st = shutil.which("st") or shutil.which("schemathesis")
+    assert st, "schemathesis is a test dependency (pip install -e '.[test]')"
+    r = subprocess.run([st, "run", f"{api}/openapi.json", "--checks", "not_a_server_error",
+                        "--header", "Authorization: Bearer tok-acme", "--max-examples", "25",
+                        "--phases", "coverage,fuzzing", "--seed", "1"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-2000:]
+    assert "passed" in r.stdout
+
+
+def test_cli_submit_status_cancel_and_batch_talk_to_the_api(
+        api: str, procs: ProcessRunner, settings: Settings) -> None:
+    import subprocess
+    import sys
+    procs.pipeline()
+    env = procs.env(JOBSTREAM_API_URL=api, JOBSTREAM_API_TOKEN="tok-acme", COLUMNS="200")
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "jobstream.cli", *args], env=env,
+                              capture_output=True, text=True, timeout=180)
+
+    r = cli("submit", str(LICENSES / "BSD"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "succeeded" in r.stdout
+    job_id = r.stdout.split("job ", 1)[1].split()[0]
+    again = cli("submit", str(LICENSES / "BSD"), "--no-wait")  # same file: same intent
+    assert job_id in again.stdout
+    st = cli("status", job_id, "--json")
+    assert json.loads(st.stdout)["status"] == "succeeded"
+    c = cli("cancel", job_id)
+    assert c.returncode == 0 and "succeeded" in c.stdout  # a finished job stays finished
+    b = cli("batch", str(LICENSES / "CC0-1.0"), str(LICENSES / "Artistic"))
+    assert b.returncode == 0, b.stdout + b.stderr
+    assert "succeeded 2" in b.stdout
+    bad = cli("status", job_id, "--token", "wrong")
+    assert bad.returncode != 0 and "401" in bad.stderr

@@ -15,8 +15,9 @@ from jobstream.settings import get_settings
 
 
 def _logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    """Log to stderr at ``level`` in ``JOBSTREAM_LOG_FORMAT`` (text, or json lines)."""
+    from jobstream.logs import configure
+    configure(level, get_settings().log_format)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -89,10 +90,13 @@ def worker(stages: str) -> None:
     """Run the faust stage workers (consumer group <prefix>jobstream-streams)."""
     from faust import Worker
 
+    from jobstream.logs import faust_logging_config
     from streams.app import create_app
     app, ctx = create_app(get_settings(), [s.strip() for s in stages.split(",") if s.strip()])
-    Worker(app, loglevel=logging.getLevelName(logging.getLogger().level).lower(),
-           quiet=True).execute_from_commandline()
+    level = logging.getLevelName(logging.getLogger().level).lower()
+    Worker(app, loglevel=level, quiet=True,
+           logging_config=faust_logging_config(level, get_settings().log_format)
+           ).execute_from_commandline()
 
 
 @main.command()

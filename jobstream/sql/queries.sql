@@ -33,12 +33,17 @@ ON CONFLICT (tenant_id, sha256) DO NOTHING;
 -- One job per (tenant, dedup_key): a second intent for the same computation gets nothing back.
 INSERT INTO job (job_id, tenant_id, idempotency_key, request_hash, dedup_key, request_id,
                  document_sha256, filename, content_type, pipeline, prompt_version,
-                 model_profile, lane)
+                 model_profile, lane, trace_id)
 VALUES (%(job_id)s, %(tenant_id)s, %(idempotency_key)s, %(request_hash)s, %(dedup_key)s,
         %(request_id)s, %(document_sha256)s, %(filename)s, %(content_type)s, %(pipeline)s,
-        %(prompt_version)s, %(model_profile)s, %(lane)s)
+        %(prompt_version)s, %(model_profile)s, %(lane)s, %(trace_id)s)
 ON CONFLICT (tenant_id, dedup_key) DO NOTHING
 RETURNING job_id;
+
+-- name: find_job_by_key
+-- The job a key created first (job.idempotency_key, job.request_hash): it outlives the
+-- idempotency record, which retention may have deleted.
+SELECT job_id, request_hash FROM job WHERE tenant_id = %s AND idempotency_key = %s;
 
 -- name: job_by_dedup_key
 SELECT job_id, status FROM job WHERE tenant_id = %s AND dedup_key = %s;
@@ -68,13 +73,15 @@ SELECT * FROM job_stage WHERE job_id = %s AND stage = %s;
 -- Claim a stage: a fresh run token (fencing token) and lease. Succeeds only when the stage is
 -- new, pending, running under an expired lease (a crashed or stuck run), or succeeded under
 -- another code version (reached only by a redrive: normal redeliveries are duplicates).
+-- Taking over a running stage (only possible once its lease expired) counts a lease takeover.
 INSERT INTO job_stage (job_id, stage, status, attempt, run_token, lease_until, started_at)
 VALUES (%(job_id)s, %(stage)s, 'running', 1, %(run_token)s,
         now() + make_interval(secs => %(lease_s)s), now())
 ON CONFLICT (job_id, stage) DO UPDATE
    SET status = 'running', attempt = job_stage.attempt + 1, run_token = EXCLUDED.run_token,
        lease_until = EXCLUDED.lease_until, started_at = now(), updated_at = now(),
-       error_code = NULL, error = NULL
+       error_code = NULL, error = NULL,
+       lease_takeovers = job_stage.lease_takeovers + (job_stage.status = 'running')::int
  WHERE job_stage.status = 'pending'
     OR (job_stage.status = 'running' AND job_stage.lease_until < now())
     OR (job_stage.status = 'succeeded'
@@ -288,6 +295,14 @@ SELECT 1 FROM processed_event WHERE consumer_group = %s AND dedup_key = %s AND e
 -- name: outbox_insert
 INSERT INTO outbox (topic, kafka_key, payload, headers, event_id, event_type)
 VALUES (%s, %s, %s, %s, %s, %s);
+
+-- name: job_trace_id
+-- The trace of a job's events, for an outbox row written with no span in force.
+SELECT trace_id FROM job WHERE job_id = %s;
+
+-- name: set_job_trace_id
+-- A job created before traces were recorded gets one on its first event written since.
+UPDATE job SET trace_id = %s WHERE job_id = %s AND trace_id IS NULL;
 
 -- name: outbox_fetch
 -- Unpublished rows in id order. Rows are marked, never skipped by a high-water mark, so a

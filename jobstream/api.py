@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from jobstream import logs, tracing
+from jobstream import logs, metrics, tracing
 from jobstream.db import QUERIES as Q
 from jobstream.errors import IdempotencyConflict, PoisonMessage, RetryableError
 from jobstream.keys import canonical_json, sha256_hex
@@ -401,6 +401,17 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
             ids = [r["job_id"] for r in conn.execute(Q["batch_job_ids"], (batch_id, t))]
             conn.execute(Q["cancel_waiting_jobs"], (ids,))
         return batch_view(t, batch_id)
+
+    metrics_registry = metrics.registry(settings, ctx.store)
+
+    @app.get("/metrics", include_in_schema=False)
+    def prometheus_metrics(request: Request) -> Response:
+        """Prometheus metrics of the whole pipeline, read from Postgres and Kafka now
+        (:mod:`jobstream.metrics`); OpenMetrics when the scraper asks for it. No token: expose
+        it to the monitoring network only."""
+        from prometheus_client.exposition import choose_encoder
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(encoder(metrics_registry), headers={"Content-Type": content_type})
 
     @app.get("/healthz", include_in_schema=False)
     def healthz() -> dict[str, str]:

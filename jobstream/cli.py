@@ -111,6 +111,16 @@ def api(host: str, port: int) -> None:
     sys.exit(api_main(get_settings(), host, port))
 
 
+@main.command("metrics")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=9464, show_default=True, type=int)
+def metrics_cmd(host: str, port: int) -> None:
+    """Serve Prometheus metrics at /metrics without the API (the same numbers: read from
+    Postgres and Kafka at scrape time)."""
+    from jobstream.metrics import serve
+    sys.exit(serve(get_settings(), host, port))
+
+
 @main.command("consume-ready")
 def consume_ready() -> None:
     """Run the example downstream consumer that applies job.ready exactly once."""
@@ -221,6 +231,41 @@ def sweep() -> None:
     from jobstream.stages import sweep as do_sweep
     for line in do_sweep(_ctx()) or ["nothing to sweep"]:
         click.echo(line)
+
+
+@main.command()
+@click.option("--max-batches", type=click.IntRange(min=1),
+              help="At most N delete transactions per table (default: until done).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def gc(max_batches: int | None, as_json: bool) -> None:
+    """Expire old rows: published outbox rows, idempotent-consumer rows (processed_event)
+    and idempotency records of finished jobs (job_request), each after its horizon
+    (JOBSTREAM_OUTBOX_RETENTION_S, _PROCESSED_EVENT_RETENTION_S, _IDEMPOTENCY_RETENTION_S).
+
+    processed_event rows are kept when their horizon is not longer than the topics'
+    redelivery window (read from Kafka). The active relay runs this every
+    JOBSTREAM_GC_INTERVAL_S as well.
+    """
+    import json
+
+    from jobstream.errors import JobstreamError
+    from jobstream.retention import collect
+    from jobstream.store import Store
+    s = get_settings()
+    store = Store(s.database_url, max_size=1)
+    try:
+        report = collect(s, store, max_batches=max_batches)
+    except JobstreamError as exc:
+        _fail(exc)
+    finally:
+        store.close()
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+        return
+    for table, n in report.deleted.items():
+        click.echo(f"{table}: deleted {n} rows older than {report.horizons_s[table]:.0f}s")
+    for table, why in report.skipped.items():
+        click.echo(f"{table}: skipped: {why}")
 
 
 @main.group()

@@ -125,10 +125,12 @@ class Settings(BaseSettings):
                                            "long after they were published (seconds)."
     )
     processed_event_retention_s: float = Field(
-        14 * 24 * 3600.0, ge=0,
+        35 * 24 * 3600.0, ge=0,
         description="Retention: idempotent-consumer rows (processed_event) are deleted this long "
-                    "after the event was processed (seconds). Must exceed the retention.ms of "
-                    "every jobstream topic; gc checks it and keeps the rows otherwise.",
+                    "after the event was processed (seconds). Must exceed the redelivery "
+                    "window 2 x retention.ms(topic) + retention.ms(.retry) + retention.ms(.dlq) "
+                    "(28 days with Kafka's default 7); gc checks it and keeps the rows "
+                    "otherwise.",
     )
     idempotency_retention_s: float = Field(
         30 * 24 * 3600.0, ge=0,

@@ -544,3 +544,43 @@ class Store:
                 "idx": idx, "run_token": claim.run_token})
         if cur.rowcount != 1:
             raise StaleRun(f"LLM stage of job {claim.job['job_id']} has a newer run")
+
+    # ------------------------------------------------------------------ metrics
+
+    def metrics_snapshot(self, *, window_s: float, bounds: list[float],
+                         timeout_s: float) -> dict[str, list[dict[str, Any]]]:
+        """Everything the metrics collector reads from Postgres, in ONE read-only transaction
+        (one snapshot) whose statements are each cut off after ``timeout_s`` seconds.
+
+        Returns rows per key: ``jobs`` (lane, status, n), ``stage_runs`` (stage, runs,
+        retries, lease_takeovers, expired_now), ``provider_attempts`` (outcome,
+        model_profile, n, cost_usd), ``outbox`` (n, oldest_s), and ``stage_durations`` /
+        ``queue_waits`` (stage, lane, idx, n, sum_s: counts per bucket ``idx`` of ``bounds``,
+        seconds, over stages finished in the last ``window_s`` seconds). Raises
+        :class:`RetryableError` when Postgres is unavailable or a statement timed out.
+        """
+        stages = list(STAGES[1:])
+        with self.tx() as conn:
+            conn.execute(Q["metrics_read_only"])
+            conn.execute(Q["metrics_statement_timeout"], (str(int(timeout_s * 1000)),))
+            window = {"window_s": window_s, "bounds": bounds}
+            return {
+                "jobs": list(conn.execute(Q["metrics_jobs"])),
+                "stage_runs": list(conn.execute(Q["metrics_stage_runs"])),
+                "provider_attempts": list(conn.execute(Q["metrics_provider_attempts"])),
+                "outbox": list(conn.execute(Q["outbox_backlog"])),
+                "stage_durations": list(conn.execute(Q["metrics_stage_durations"], window)),
+                "queue_waits": list(conn.execute(Q["metrics_queue_waits"], {
+                    **window, "stages": stages, "prevs": list(STAGES[:-1])})),
+            }
+
+    # ------------------------------------------------------------------ retention
+
+    def gc_batch(self, table: str, *, horizon_s: float, limit: int) -> int:
+        """Delete up to ``limit`` expired rows of ``table`` (``outbox``, ``processed_event``
+        or ``job_request``; see ``gc_<table>`` in queries.sql) older than ``horizon_s``
+        seconds, in ONE short transaction; returns how many were deleted. Raises ``KeyError``
+        for another table, :class:`RetryableError` when Postgres is unavailable."""
+        query = Q[f"gc_{table}"]
+        with self.tx() as conn:
+            return conn.execute(query, {"horizon_s": horizon_s, "limit": limit}).rowcount

@@ -313,10 +313,6 @@ SELECT id, topic, kafka_key, payload, headers, event_type FROM outbox
 -- name: outbox_mark_published
 UPDATE outbox SET published_at = now() WHERE id = ANY(%s);
 
--- name: outbox_delete_published
-DELETE FROM outbox WHERE published_at IS NOT NULL
-   AND published_at < now() - make_interval(secs => %s);
-
 -- name: relay_try_lock
 -- One active relay (others stand by): a session-level advisory lock held while relaying.
 SELECT pg_try_advisory_lock(%s) AS locked;
@@ -436,3 +432,98 @@ SELECT b.batch_id, b.lane, b.cancel_requested, b.created_at, count(*) AS jobs,
                       WHERE a.job_id = j.job_id) c ON true
  WHERE b.batch_id = %s AND b.tenant_id = %s
  GROUP BY b.batch_id;
+
+-- ---------------------------------------------------------------- metrics (read at scrape time)
+
+-- name: metrics_read_only
+-- A scrape only reads (first statement of its transaction).
+SET TRANSACTION READ ONLY;
+
+-- name: metrics_statement_timeout
+-- Bound every statement of one scrape (milliseconds, this transaction only).
+SELECT set_config('statement_timeout', %s, true);
+
+-- name: metrics_jobs
+-- Jobs per lane and status (jobs are never deleted, so the per-lane total only grows).
+SELECT lane, status, count(*) AS n FROM job GROUP BY lane, status;
+
+-- name: metrics_stage_runs
+-- Stage runs per stage: every claim adds one to attempt, so runs = sum(attempt) and runs
+-- that were a retry = sum(attempt - 1); lease takeovers as counted by claim_stage; running
+-- stages whose lease has expired right now.
+SELECT stage, coalesce(sum(attempt), 0)::bigint AS runs,
+       coalesce(sum(greatest(attempt - 1, 0)), 0)::bigint AS retries,
+       coalesce(sum(lease_takeovers), 0)::bigint AS lease_takeovers,
+       count(*) FILTER (WHERE status = 'running' AND lease_until < now()) AS expired_now
+  FROM job_stage WHERE stage <> 'uploaded' GROUP BY stage;
+
+-- name: metrics_provider_attempts
+-- Provider attempts per outcome and model profile, with their cost (USD).
+SELECT outcome, model_profile, count(*) AS n, coalesce(sum(cost_usd), 0)::float8 AS cost_usd
+  FROM provider_attempt GROUP BY outcome, model_profile;
+
+-- name: metrics_stage_durations
+-- Run time (finished_at - started_at, seconds) of stages that succeeded in the last
+-- %(window_s)s seconds, per stage and lane, counted per bucket: idx = how many bucket bounds
+-- (%(bounds)s, ascending) lie below the value, so the value is <= bounds[idx].
+WITH d AS (
+    SELECT s.stage, j.lane,
+           greatest(extract(epoch FROM s.finished_at - s.started_at), 0)::float8 AS v
+      FROM job_stage s JOIN job j USING (job_id)
+     WHERE s.finished_at >= now() - make_interval(secs => %(window_s)s)
+       AND s.status = 'succeeded' AND s.stage <> 'uploaded' AND s.started_at IS NOT NULL)
+SELECT stage, lane,
+       (SELECT count(*) FROM unnest(%(bounds)s::float8[]) AS b(le) WHERE b.le < d.v) AS idx,
+       count(*) AS n, sum(v)::float8 AS sum_s
+  FROM d GROUP BY stage, lane, idx;
+
+-- name: metrics_queue_waits
+-- Queue wait (seconds) of stages that succeeded in the last %(window_s)s seconds: from the
+-- previous checkpoint's finish (its event was written to the outbox) to this stage's latest
+-- claim, per stage and lane; buckets as in metrics_stage_durations. %(stages)s and
+-- %(prevs)s pair each stage with the one before it.
+WITH pairs AS (SELECT * FROM unnest(%(stages)s::text[], %(prevs)s::text[]) AS p(stage, prev)),
+d AS (
+    SELECT s.stage, j.lane,
+           greatest(extract(epoch FROM s.started_at - p.finished_at), 0)::float8 AS v
+      FROM job_stage s
+      JOIN pairs ON pairs.stage = s.stage
+      JOIN job_stage p ON p.job_id = s.job_id AND p.stage = pairs.prev
+      JOIN job j ON j.job_id = s.job_id
+     WHERE s.finished_at >= now() - make_interval(secs => %(window_s)s)
+       AND s.status = 'succeeded' AND s.started_at IS NOT NULL AND p.finished_at IS NOT NULL)
+SELECT stage, lane,
+       (SELECT count(*) FROM unnest(%(bounds)s::float8[]) AS b(le) WHERE b.le < d.v) AS idx,
+       count(*) AS n, sum(v)::float8 AS sum_s
+  FROM d GROUP BY stage, lane, idx;
+
+-- ---------------------------------------------------------------- retention (jobstream gc)
+-- Each deletes at most %(limit)s rows older than %(horizon_s)s seconds, oldest first, so one
+-- transaction stays short; the caller repeats until fewer come back.
+
+-- name: gc_outbox
+-- Published outbox rows: never read again once the broker acknowledged them (the relay reads
+-- published_at IS NULL only). Unpublished rows are never deleted, however old.
+DELETE FROM outbox WHERE id IN (
+    SELECT id FROM outbox
+     WHERE published_at IS NOT NULL
+       AND published_at < now() - make_interval(secs => %(horizon_s)s)
+     ORDER BY published_at LIMIT %(limit)s);
+
+-- name: gc_processed_event
+-- Idempotent-consumer rows older than every redelivery window (checked against the topics'
+-- retention by the caller).
+DELETE FROM processed_event WHERE (consumer_group, dedup_key, event_type) IN (
+    SELECT consumer_group, dedup_key, event_type FROM processed_event
+     WHERE processed_at < now() - make_interval(secs => %(horizon_s)s)
+     ORDER BY processed_at LIMIT %(limit)s);
+
+-- name: gc_job_request
+-- Idempotency records of jobs that finished long ago, themselves old. A job still open (or
+-- parked) keeps every record. The job row keeps its first key and request hash.
+DELETE FROM job_request WHERE (tenant_id, idempotency_key) IN (
+    SELECT r.tenant_id, r.idempotency_key FROM job_request r JOIN job j USING (job_id)
+     WHERE r.created_at < now() - make_interval(secs => %(horizon_s)s)
+       AND j.status IN ('succeeded', 'failed', 'cancelled')
+       AND j.finished_at < now() - make_interval(secs => %(horizon_s)s)
+     ORDER BY r.created_at LIMIT %(limit)s);

@@ -164,3 +164,4 @@ def test_handler_formats_and_rejects_unknown() -> None:
     assert logs.faust_logging_config("info", "text") is None
     cfg = logs.faust_logging_config("info", "json")
     assert cfg is not None and cfg["root"]["level"] == "INFO"
+

@@ -100,7 +100,9 @@ class IdempotentConsumer:
         not store the offset and retries the message.
         """
         with logs.message_scope(msg.headers(), group=self.group):
-            return self._process(msg)
+            outcome = self._process(msg)
+            log.debug("%s %s[%d]@%d", outcome, msg.topic(), msg.partition(), msg.offset())
+            return outcome
 
     def _process(self, msg: Message) -> str:
         try:
@@ -145,7 +147,7 @@ class IdempotentConsumer:
                 last_msg = time.monotonic()
                 while not self._stop.is_set():
                     try:
-                        outcome = self.process(msg)
+                        self.process(msg)
                         break
                     except Exception as exc:  # rolled back: retry, never skip the message
                         log.warning("processing failed (%s: %s); retrying in %.1fs",
@@ -158,7 +160,6 @@ class IdempotentConsumer:
                 else:
                     break  # stopping: the offset of the unprocessed message is not stored
                 backoff = 0.5
-                log.debug("%s %s[%d]@%d", outcome, msg.topic(), msg.partition(), msg.offset())
                 faults.point("consumer_after_apply_before_offset")
                 self._consumer.store_offsets(message=msg)
         finally:

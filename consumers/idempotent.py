@@ -22,7 +22,7 @@ from typing import Any
 import psycopg
 from confluent_kafka import Consumer, KafkaError, Message, Producer
 
-from jobstream import faults
+from jobstream import faults, logs
 from jobstream.db import QUERIES as Q
 from jobstream.db import connect
 from jobstream.errors import PoisonMessage
@@ -95,14 +95,23 @@ class IdempotentConsumer:
     def process(self, msg: Message) -> str:
         """Handle one message; returns ``applied``, ``duplicate`` or ``dead_lettered``.
 
+        Runs in the message's log context and trace span (its ``traceparent`` header).
         Raises ``psycopg.Error`` (or the handler's error) after rolling back: the caller must
         not store the offset and retries the message.
         """
+        with logs.message_scope(msg.headers(), group=self.group):
+            outcome = self._process(msg)
+            log.debug("%s %s[%d]@%d", outcome, msg.topic(), msg.partition(), msg.offset())
+            return outcome
+
+    def _process(self, msg: Message) -> str:
         try:
             event = decode_event(msg.value(), expected=self.event_types)
         except PoisonMessage as exc:
             self._dead_letter(msg, exc.code, str(exc))
             return "dead_lettered"
+        logs.bind(request_id=event.request_id, tenant=event.tenant_id,
+                  event_type=event.event_type, job_id=event.job_id)
         conn = self._db()
         try:
             with conn.transaction():
@@ -138,7 +147,7 @@ class IdempotentConsumer:
                 last_msg = time.monotonic()
                 while not self._stop.is_set():
                     try:
-                        outcome = self.process(msg)
+                        self.process(msg)
                         break
                     except Exception as exc:  # rolled back: retry, never skip the message
                         log.warning("processing failed (%s: %s); retrying in %.1fs",
@@ -151,7 +160,6 @@ class IdempotentConsumer:
                 else:
                     break  # stopping: the offset of the unprocessed message is not stored
                 backoff = 0.5
-                log.debug("%s %s[%d]@%d", outcome, msg.topic(), msg.partition(), msg.offset())
                 faults.point("consumer_after_apply_before_offset")
                 self._consumer.store_offsets(message=msg)
         finally:

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from jobstream import logs, metrics, tracing
 from jobstream.db import QUERIES as Q
 from jobstream.errors import IdempotencyConflict, PoisonMessage, RetryableError
 from jobstream.keys import canonical_json, sha256_hex
@@ -182,12 +183,45 @@ def _problem(status: int, code: str, message: str) -> HTTPException:
     return HTTPException(status, detail={"code": code, "message": message})
 
 
+_REQUEST_ID_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
+
+
+class TraceMiddleware:
+    """ASGI middleware: each HTTP request runs in a span continuing its ``traceparent``
+    header (or a new trace) and in a log context with its ``request_id``: the client's
+    ``X-Request-Id`` (up to 200 of ``[A-Za-z0-9._:-]``) or a new one, echoed in the response.
+    Jobs created by the request carry that request id and trace."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        rid = headers.get(b"x-request-id", b"").decode("latin-1")
+        if not rid or len(rid) > 200 or not set(rid) <= _REQUEST_ID_OK:
+            rid = uuid.uuid4().hex
+
+        async def send_with_id(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        span = tracing.continue_from(headers.get(tracing.HEADER.encode()))
+        with tracing.use(span), logs.log_context(request_id=rid):
+            await self.app(scope, receive, send_with_id)
+
+
 def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
     """Build the API app. ``store`` defaults to a pool on ``settings.database_url``."""
     app = FastAPI(title="jobstream", version="1", description=__doc__,
                   responses={401: {"model": Problem}, 404: {"model": Problem}})
     ctx = StageContext(settings, store or Store(settings.database_url, max_size=16))
     app.state.ctx = ctx
+    app.add_middleware(TraceMiddleware)
 
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
@@ -211,8 +245,9 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
         doc = DocumentRef(filename=req.filename, content_type=req.content_type,
                           sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data),
                           content_b64=base64.b64encode(data).decode())
+        rid = logs.current_context().get("request_id")
         return DocumentUploaded(
-            tenant_id=t, idempotency_key=key,
+            tenant_id=t, idempotency_key=key, **({"request_id": rid} if rid else {}),
             payload=DocumentUploadedPayload(
                 document=doc, pipeline=req.pipeline or settings.pipeline,
                 prompt_version=req.prompt_version or settings.prompt_version,
@@ -367,6 +402,17 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
             conn.execute(Q["cancel_waiting_jobs"], (ids,))
         return batch_view(t, batch_id)
 
+    metrics_registry = metrics.registry(settings, ctx.store)
+
+    @app.get("/metrics", include_in_schema=False)
+    def prometheus_metrics(request: Request) -> Response:
+        """Prometheus metrics of the whole pipeline, read from Postgres and Kafka now
+        (:mod:`jobstream.metrics`); OpenMetrics when the scraper asks for it. No token: expose
+        it to the monitoring network only."""
+        from prometheus_client.exposition import choose_encoder
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(encoder(metrics_registry), headers={"Content-Type": content_type})
+
     @app.get("/healthz", include_in_schema=False)
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
@@ -380,5 +426,7 @@ def main(settings: Settings, host: str, port: int) -> int:
     if not settings.api_tokens:
         raise SystemExit("no API tokens configured: set JOBSTREAM_API_TOKENS, e.g. "
                          "'{\"secret-token\": \"acme\"}' (token -> tenant)")
-    uvicorn.run(create_app(settings), host=host, port=port, log_level="info")
+    # JSON logs: uvicorn's loggers propagate to the root handler instead of their own.
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="info",
+                **({"log_config": None} if settings.log_format == "json" else {}))
     return 0

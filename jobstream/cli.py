@@ -15,8 +15,9 @@ from jobstream.settings import get_settings
 
 
 def _logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    """Log to stderr at ``level`` in ``JOBSTREAM_LOG_FORMAT`` (text, or json lines)."""
+    from jobstream.logs import configure
+    configure(level, get_settings().log_format)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -93,14 +94,17 @@ def worker(lane: str, stages: str | None) -> None:
     """Run faust stage workers (consumer group <prefix>jobstream-streams[-<lane>])."""
     from faust import Worker
 
+    from jobstream.logs import faust_logging_config
     from streams.app import create_app
     chosen = [s.strip() for s in stages.split(",") if s.strip()] if stages else None
     try:
         app, ctx = create_app(get_settings(), chosen, lane=lane)
     except KeyError as exc:
         raise click.UsageError(str(exc)) from None
-    Worker(app, loglevel=logging.getLevelName(logging.getLogger().level).lower(),
-           quiet=True).execute_from_commandline()
+    level = logging.getLevelName(logging.getLogger().level).lower()
+    Worker(app, loglevel=level, quiet=True,
+           logging_config=faust_logging_config(level, get_settings().log_format)
+           ).execute_from_commandline()
 
 
 @main.command()
@@ -113,6 +117,16 @@ def api(host: str, port: int) -> None:
     """
     from jobstream.api import main as api_main
     sys.exit(api_main(get_settings(), host, port))
+
+
+@main.command("metrics")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=9464, show_default=True, type=int)
+def metrics_cmd(host: str, port: int) -> None:
+    """Serve Prometheus metrics at /metrics without the API (the same numbers: read from
+    Postgres and Kafka at scrape time)."""
+    from jobstream.metrics import serve
+    sys.exit(serve(get_settings(), host, port))
 
 
 @main.command("consume-ready")
@@ -396,6 +410,41 @@ def sweep() -> None:
     from jobstream.stages import sweep as do_sweep
     for line in do_sweep(_ctx()) or ["nothing to sweep"]:
         click.echo(line)
+
+
+@main.command()
+@click.option("--max-batches", type=click.IntRange(min=1),
+              help="At most N delete transactions per table (default: until done).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def gc(max_batches: int | None, as_json: bool) -> None:
+    """Expire old rows: published outbox rows, idempotent-consumer rows (processed_event)
+    and idempotency records of finished jobs (job_request), each after its horizon
+    (JOBSTREAM_OUTBOX_RETENTION_S, _PROCESSED_EVENT_RETENTION_S, _IDEMPOTENCY_RETENTION_S).
+
+    processed_event rows are kept when their horizon is not longer than the topics'
+    redelivery window (read from Kafka). The active relay runs this every
+    JOBSTREAM_GC_INTERVAL_S as well.
+    """
+    import json
+
+    from jobstream.errors import JobstreamError
+    from jobstream.retention import collect
+    from jobstream.store import Store
+    s = get_settings()
+    store = Store(s.database_url, max_size=1)
+    try:
+        report = collect(s, store, max_batches=max_batches)
+    except JobstreamError as exc:
+        _fail(exc)
+    finally:
+        store.close()
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+        return
+    for table, n in report.deleted.items():
+        click.echo(f"{table}: deleted {n} rows older than {report.horizons_s[table]:.0f}s")
+    for table, why in report.skipped.items():
+        click.echo(f"{table}: skipped: {why}")
 
 
 @main.group()

@@ -9,7 +9,7 @@ two connection settings also accept the conventional ``DATABASE_URL`` and
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -131,7 +131,48 @@ class Settings(BaseSettings):
         1.0, gt=0, description="Relay polling fallback when no NOTIFY arrives (seconds)."
     )
     outbox_retention_s: float = Field(
-        7 * 24 * 3600.0, ge=0, description="Published outbox rows are deleted after (seconds)."
+        7 * 24 * 3600.0, ge=0, description="Retention: published outbox rows are deleted this "
+                                           "long after they were published (seconds)."
+    )
+    processed_event_retention_s: float = Field(
+        35 * 24 * 3600.0, ge=0,
+        description="Retention: idempotent-consumer rows (processed_event) are deleted this long "
+                    "after the event was processed (seconds). Must exceed the redelivery "
+                    "window 2 x retention.ms(topic) + retention.ms(.retry) + retention.ms(.dlq) "
+                    "(28 days with Kafka's default 7); gc checks it and keeps the rows "
+                    "otherwise.",
+    )
+    idempotency_retention_s: float = Field(
+        30 * 24 * 3600.0, ge=0,
+        description="Retention: idempotency records (job_request) of finished jobs are deleted "
+                    "this long after the job finished and the record was written (seconds): "
+                    "how long a client's Idempotency-Key stays bound to its request body.",
+    )
+    gc_interval_s: float = Field(
+        300.0, gt=0, description="The active relay runs retention (gc) this often (seconds)."
+    )
+    gc_batch_size: int = Field(
+        5000, ge=1, description="Retention deletes at most this many rows per transaction."
+    )
+    log_format: Literal["text", "json"] = Field(
+        "text", description="Log format of every process: text (human) or json (one object "
+                            "per line, with request_id, job_id, tenant, stage, trace_id)."
+    )
+    metrics_window_s: float = Field(
+        3600.0, gt=0, description="Metrics: queue-wait and stage-duration histograms cover "
+                                  "stages finished this recently (seconds)."
+    )
+    metrics_cache_s: float = Field(
+        5.0, ge=0, description="Metrics: reuse one scrape's values for this long (seconds)."
+    )
+    metrics_timeout_s: float = Field(
+        5.0, gt=0, description="Metrics: bound on each Postgres statement and Kafka request "
+                               "of a scrape (seconds)."
+    )
+    metrics_consumer_groups: list[str] = Field(
+        default_factory=list,
+        description="Metrics: more consumer groups (full names) to report lag for, besides "
+                    "the prefixed jobstream-* groups and the downstream applier (JSON list).",
     )
 
     api_tokens: dict[str, str] = Field(

@@ -21,6 +21,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 from pydantic import BaseModel
 
+from jobstream import tracing
 from jobstream.db import QUERIES as Q
 from jobstream.errors import IdempotencyConflict, RetryableError, StaleRun
 from schemas.events import encode_event
@@ -126,10 +127,31 @@ class Store:
 
     @staticmethod
     def add_outbox(conn: psycopg.Connection, msg: OutboxMessage) -> None:
-        """Write one outbox row inside the caller's transaction (the transactional outbox)."""
+        """Write one outbox row inside the caller's transaction (the transactional outbox).
+
+        The row's headers get a W3C ``traceparent`` unless they have one: a child of the
+        current span (:func:`jobstream.tracing.current`), or with no span in force (sweeper,
+        redrive) one in the job's stored trace, so every event of a job shares its trace-id.
+        """
         ev = json.loads(msg.value)
-        conn.execute(Q["outbox_insert"], (msg.topic, msg.key, msg.value, Jsonb(msg.headers),
+        headers = dict(msg.headers)
+        if tracing.HEADER not in headers:
+            trace_id = None
+            if tracing.current() is None and ev.get("job_id"):
+                trace_id = Store._job_trace_id(conn, ev["job_id"])
+            headers[tracing.HEADER] = tracing.outgoing_header(trace_id)
+        conn.execute(Q["outbox_insert"], (msg.topic, msg.key, msg.value, Jsonb(headers),
                                           ev["event_id"], ev["event_type"]))
+
+    @staticmethod
+    def _job_trace_id(conn: psycopg.Connection, job_id: str) -> str:
+        """The job's trace-id; a job without one (created before traces) is given one."""
+        row = conn.execute(Q["job_trace_id"], (job_id,)).fetchone()
+        if row and row["trace_id"]:
+            return str(row["trace_id"])
+        conn.execute(Q["set_job_trace_id"], (tracing.new_trace_id(), job_id))
+        row = conn.execute(Q["job_trace_id"], (job_id,)).fetchone()
+        return str(row["trace_id"]) if row and row["trace_id"] else tracing.new_trace_id()
 
     # ------------------------------------------------------------------ intake
 
@@ -146,16 +168,24 @@ class Store:
         (a savepoint is used). The same (tenant, idempotency_key) again returns the same job
         with no new work; a second key for the same dedup_key is bound to the existing job.
         Raises :class:`IdempotencyConflict` when the key was used with a different body.
+
+        Intake is where a job's trace starts: the job keeps the trace-id of the current span
+        (the incoming event's or request's ``traceparent``), or of a new trace.
         """
-        if conn is not None:
-            return self._intake_in(conn, tenant_id, idempotency_key, request_hash, request_id,
-                                   job, content, accepted, topic, list(extra))
-        try:
-            with self.pool.connection(timeout=30) as own:
-                return self._intake_in(own, tenant_id, idempotency_key, request_hash,
+        span = tracing.current() or tracing.start()
+        job = {**job, "trace_id": span.trace_id}
+        with tracing.use(span):
+            if conn is not None:
+                return self._intake_in(conn, tenant_id, idempotency_key, request_hash,
                                        request_id, job, content, accepted, topic, list(extra))
-        except psycopg.OperationalError as exc:
-            raise RetryableError(f"database unavailable: {exc}", code="db_unavailable") from None
+            try:
+                with self.pool.connection(timeout=30) as own:
+                    return self._intake_in(own, tenant_id, idempotency_key, request_hash,
+                                           request_id, job, content, accepted, topic,
+                                           list(extra))
+            except psycopg.OperationalError as exc:
+                raise RetryableError(f"database unavailable: {exc}",
+                                     code="db_unavailable") from None
 
     def _intake_in(self, conn: psycopg.Connection, tenant_id: str, idempotency_key: str,
                    request_hash: str, request_id: str, job: dict[str, Any], content: bytes,
@@ -170,6 +200,17 @@ class Store:
                                 f"idempotency key {idempotency_key!r} was used for another "
                                 f"request body (job {row['job_id']})")
                         return IntakeResult(row["job_id"], False)
+                    first = conn.execute(Q["find_job_by_key"],
+                                         (tenant_id, idempotency_key)).fetchone()
+                    if first:  # the key's record expired (retention); its job remembers it
+                        if first["request_hash"] != request_hash:
+                            raise IdempotencyConflict(
+                                f"idempotency key {idempotency_key!r} was used for another "
+                                f"request body (job {first['job_id']})")
+                        conn.execute(Q["insert_request"], (tenant_id, idempotency_key,
+                                                           request_hash, first["job_id"],
+                                                           request_id))
+                        return IntakeResult(first["job_id"], False)
                     conn.execute(Q["insert_document"], (tenant_id, job["document_sha256"],
                                                         job["content_type"], len(content), content))
                     created = conn.execute(Q["insert_job"], job).fetchone()
@@ -503,3 +544,46 @@ class Store:
                 "idx": idx, "run_token": claim.run_token})
         if cur.rowcount != 1:
             raise StaleRun(f"LLM stage of job {claim.job['job_id']} has a newer run")
+
+    # ------------------------------------------------------------------ metrics
+
+    def metrics_snapshot(self, *, window_s: float, bounds: list[float],
+                         timeout_s: float) -> dict[str, list[dict[str, Any]]]:
+        """Everything the metrics collector reads from Postgres, in ONE read-only transaction
+        (one snapshot) whose statements are each cut off after ``timeout_s`` seconds.
+
+        Returns rows per key: ``jobs`` (lane, status, n), ``stage_runs`` (stage, runs,
+        retries, lease_takeovers, expired_now), ``provider_attempts`` (outcome,
+        model_profile, n, cost_usd), ``outbox`` (n, oldest_s), ``provider_limit`` (profile,
+        limit_now, max_limit, interactive_reserved, decreases, in_flight), and
+        ``stage_durations`` /
+        ``queue_waits`` (stage, lane, idx, n, sum_s: counts per bucket ``idx`` of ``bounds``,
+        seconds, over stages finished in the last ``window_s`` seconds). Raises
+        :class:`RetryableError` when Postgres is unavailable or a statement timed out.
+        """
+        stages = list(STAGES[1:])
+        with self.tx() as conn:
+            conn.execute(Q["metrics_read_only"])
+            conn.execute(Q["metrics_statement_timeout"], (str(int(timeout_s * 1000)),))
+            window = {"window_s": window_s, "bounds": bounds}
+            return {
+                "jobs": list(conn.execute(Q["metrics_jobs"])),
+                "stage_runs": list(conn.execute(Q["metrics_stage_runs"])),
+                "provider_attempts": list(conn.execute(Q["metrics_provider_attempts"])),
+                "outbox": list(conn.execute(Q["outbox_backlog"])),
+                "provider_limit": list(conn.execute(Q["limit_state"])),
+                "stage_durations": list(conn.execute(Q["metrics_stage_durations"], window)),
+                "queue_waits": list(conn.execute(Q["metrics_queue_waits"], {
+                    **window, "stages": stages, "prevs": list(STAGES[:-1])})),
+            }
+
+    # ------------------------------------------------------------------ retention
+
+    def gc_batch(self, table: str, *, horizon_s: float, limit: int) -> int:
+        """Delete up to ``limit`` expired rows of ``table`` (``outbox``, ``processed_event``
+        or ``job_request``; see ``gc_<table>`` in queries.sql) older than ``horizon_s``
+        seconds, in ONE short transaction; returns how many were deleted. Raises ``KeyError``
+        for another table, :class:`RetryableError` when Postgres is unavailable."""
+        query = Q[f"gc_{table}"]
+        with self.tx() as conn:
+            return conn.execute(query, {"horizon_s": horizon_s, "limit": limit}).rowcount

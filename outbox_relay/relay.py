@@ -14,8 +14,9 @@ Protocol (design.md, "Outbox relay"):
    that is the at-least-once side, absorbed by idempotent consumers.
 6. The active relay also runs the stuck-stage sweeper (``jobstream.stages.sweep``).
 5. Wake on ``LISTEN outbox_v1`` (a NOTIFY is sent by a trigger at commit); fall back to polling
-   every ``relay_poll_interval_s``. Published rows older than ``outbox_retention_s`` are deleted
-   every few minutes so the table does not bloat.
+   every ``relay_poll_interval_s``. Every ``gc_interval_s`` the active relay runs retention
+   (:mod:`jobstream.retention`): published outbox rows, idempotent-consumer rows and
+   idempotency records past their horizons, a bounded number of batches per run.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ log = logging.getLogger("jobstream.relay")
 
 RELAY_LOCK_ID = 0x6F757462  # "outb": the active-relay advisory lock
 CHANNEL = "outbox_v1"
-GC_EVERY_S = 300.0
+GC_MAX_BATCHES = 20  # per table and run: retention must not hold up publishing for long
 
 
 class DeliveryFailed(Exception):
@@ -122,19 +123,37 @@ class OutboxRelay:
             self._stop.wait(2.0)
         return False
 
-    def _sweep(self) -> None:
-        """Run the stuck-stage sweeper (the active relay is the one process that does)."""
-        from jobstream.errors import RetryableError
-        from jobstream.stages import StageContext, sweep
+    def _stage_ctx(self) -> None:
+        """Make the StageContext the sweeper and retention share (on first use)."""
+        from jobstream.stages import StageContext
         from jobstream.store import Store
         if self._ctx is None:
             self._ctx = StageContext(self.settings, Store(self.settings.database_url,
                                                           max_size=2))
+
+    def _sweep(self) -> None:
+        """Run the stuck-stage sweeper (the active relay is the one process that does)."""
+        from jobstream.errors import RetryableError
+        from jobstream.stages import sweep
+        self._stage_ctx()
         try:
             for action in sweep(self._ctx):
                 log.warning("sweeper: %s", action)
         except RetryableError as exc:
             log.warning("sweeper skipped: %s", exc)
+
+    def _gc(self) -> None:
+        """Run retention (bounded); a Postgres outage only postpones it."""
+        from jobstream.errors import RetryableError
+        from jobstream.retention import collect
+        self._stage_ctx()
+        try:
+            report = collect(self.settings, self._ctx.store, max_batches=GC_MAX_BATCHES)
+        except RetryableError as exc:
+            log.warning("retention skipped: %s", exc)
+            return
+        if any(report.deleted.values()):
+            log.info("retention: deleted %s", report.deleted)
 
     def run(self) -> RelayStats:
         """Relay until stopped. Reconnects to Postgres with backoff; never marks a row
@@ -159,10 +178,8 @@ class OutboxRelay:
                         if time.monotonic() - last_sweep > self.settings.sweep_grace_s / 2:
                             self._sweep()
                             last_sweep = time.monotonic()
-                        if time.monotonic() - last_gc > GC_EVERY_S:
-                            with conn.transaction():
-                                conn.execute(Q["outbox_delete_published"],
-                                             (self.settings.outbox_retention_s,))
+                        if time.monotonic() - last_gc > self.settings.gc_interval_s:
+                            self._gc()
                             last_gc = time.monotonic()
                         if n < self.settings.relay_batch_size:
                             # Caught up: sleep until a NOTIFY or the polling interval.

@@ -27,9 +27,9 @@ from typing import Any
 
 import faust
 
-from jobstream import faults
+from jobstream import faults, logs
 from jobstream.errors import OutcomeUnknown, PoisonMessage, RetryableError
-from jobstream.stages import StageContext, give_up
+from jobstream.stages import SPECS, StageContext, give_up
 from schemas.events import decode_event
 
 log = logging.getLogger("jobstream.streams")
@@ -84,6 +84,9 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
     topic = app.topic(s.topic(source), **kw)
     retry_topic = app.topic(s.topic(source + ".retry"), **kw)
     dlq = app.topic(s.topic(source + ".dlq"), **kw)
+    # Log context + trace span of each message (intake is where a trace may start).
+    scope = {"stage": SPECS[consumes].stage if consumes in SPECS else "uploaded",
+             "group": app.conf.id, "start_trace": consumes == "document.uploaded"}
 
     async def dead_letter(event: faust.EventT, code: str, reason: str) -> None:
         msg = event.message
@@ -120,6 +123,8 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
         except PoisonMessage as exc:
             await dead_letter(event, exc.code, str(exc))
             return
+        logs.bind(request_id=ev.request_id, tenant=ev.tenant_id, event_type=ev.event_type,
+                  job_id=getattr(ev, "job_id", None))
         attempt = 0
         while True:
             try:
@@ -157,7 +162,8 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
 
     async def agent(stream: faust.StreamT) -> None:
         async for event in stream.events():
-            await process(event, 0)
+            with logs.message_scope(event.message.headers, **scope):
+                await process(event, 0)
             faults.point("stage_after_commit_before_offset")
 
     async def retry_agent(stream: faust.StreamT) -> None:
@@ -166,7 +172,8 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
             wait = not_before - time.time()
             if wait > 0:
                 await asyncio.sleep(wait)
-            await process(event, int(_header(event, "retry_count") or 1))
+            with logs.message_scope(event.message.headers, **scope):
+                await process(event, int(_header(event, "retry_count") or 1))
 
     agent.__name__ = name
     retry_agent.__name__ = f"{name}_retry"

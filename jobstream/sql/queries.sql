@@ -33,12 +33,17 @@ ON CONFLICT (tenant_id, sha256) DO NOTHING;
 -- One job per (tenant, dedup_key): a second intent for the same computation gets nothing back.
 INSERT INTO job (job_id, tenant_id, idempotency_key, request_hash, dedup_key, request_id,
                  document_sha256, filename, content_type, pipeline, prompt_version,
-                 model_profile, lane)
+                 model_profile, lane, trace_id)
 VALUES (%(job_id)s, %(tenant_id)s, %(idempotency_key)s, %(request_hash)s, %(dedup_key)s,
         %(request_id)s, %(document_sha256)s, %(filename)s, %(content_type)s, %(pipeline)s,
-        %(prompt_version)s, %(model_profile)s, %(lane)s)
+        %(prompt_version)s, %(model_profile)s, %(lane)s, %(trace_id)s)
 ON CONFLICT (tenant_id, dedup_key) DO NOTHING
 RETURNING job_id;
+
+-- name: find_job_by_key
+-- The job a key created first (job.idempotency_key, job.request_hash): it outlives the
+-- idempotency record, which retention may have deleted.
+SELECT job_id, request_hash FROM job WHERE tenant_id = %s AND idempotency_key = %s;
 
 -- name: job_by_dedup_key
 SELECT job_id, status FROM job WHERE tenant_id = %s AND dedup_key = %s;
@@ -68,13 +73,15 @@ SELECT * FROM job_stage WHERE job_id = %s AND stage = %s;
 -- Claim a stage: a fresh run token (fencing token) and lease. Succeeds only when the stage is
 -- new, pending, running under an expired lease (a crashed or stuck run), or succeeded under
 -- another code version (reached only by a redrive: normal redeliveries are duplicates).
+-- Taking over a running stage (only possible once its lease expired) counts a lease takeover.
 INSERT INTO job_stage (job_id, stage, status, attempt, run_token, lease_until, started_at)
 VALUES (%(job_id)s, %(stage)s, 'running', 1, %(run_token)s,
         now() + make_interval(secs => %(lease_s)s), now())
 ON CONFLICT (job_id, stage) DO UPDATE
    SET status = 'running', attempt = job_stage.attempt + 1, run_token = EXCLUDED.run_token,
        lease_until = EXCLUDED.lease_until, started_at = now(), updated_at = now(),
-       error_code = NULL, error = NULL
+       error_code = NULL, error = NULL,
+       lease_takeovers = job_stage.lease_takeovers + (job_stage.status = 'running')::int
  WHERE job_stage.status = 'pending'
     OR (job_stage.status = 'running' AND job_stage.lease_until < now())
     OR (job_stage.status = 'succeeded'
@@ -289,6 +296,14 @@ SELECT 1 FROM processed_event WHERE consumer_group = %s AND dedup_key = %s AND e
 INSERT INTO outbox (topic, kafka_key, payload, headers, event_id, event_type)
 VALUES (%s, %s, %s, %s, %s, %s);
 
+-- name: job_trace_id
+-- The trace of a job's events, for an outbox row written with no span in force.
+SELECT trace_id FROM job WHERE job_id = %s;
+
+-- name: set_job_trace_id
+-- A job created before traces were recorded gets one on its first event written since.
+UPDATE job SET trace_id = %s WHERE job_id = %s AND trace_id IS NULL;
+
 -- name: outbox_fetch
 -- Unpublished rows in id order. Rows are marked, never skipped by a high-water mark, so a
 -- transaction that committed late (a lower id seen after a higher one) is published next poll.
@@ -297,10 +312,6 @@ SELECT id, topic, kafka_key, payload, headers, event_type FROM outbox
 
 -- name: outbox_mark_published
 UPDATE outbox SET published_at = now() WHERE id = ANY(%s);
-
--- name: outbox_delete_published
-DELETE FROM outbox WHERE published_at IS NOT NULL
-   AND published_at < now() - make_interval(secs => %s);
 
 -- name: relay_try_lock
 -- One active relay (others stand by): a session-level advisory lock held while relaying.
@@ -468,3 +479,98 @@ SELECT profile, limit_now, max_limit, interactive_reserved, decreases,
        (SELECT count(*) FROM provider_slot s WHERE s.profile = l.profile
            AND s.expires_at > now()) AS in_flight
   FROM provider_limit l ORDER BY profile;
+
+-- ---------------------------------------------------------------- metrics (read at scrape time)
+
+-- name: metrics_read_only
+-- A scrape only reads (first statement of its transaction).
+SET TRANSACTION READ ONLY;
+
+-- name: metrics_statement_timeout
+-- Bound every statement of one scrape (milliseconds, this transaction only).
+SELECT set_config('statement_timeout', %s, true);
+
+-- name: metrics_jobs
+-- Jobs per lane and status (jobs are never deleted, so the per-lane total only grows).
+SELECT lane, status, count(*) AS n FROM job GROUP BY lane, status;
+
+-- name: metrics_stage_runs
+-- Stage runs per stage: every claim adds one to attempt, so runs = sum(attempt) and runs
+-- that were a retry = sum(attempt - 1); lease takeovers as counted by claim_stage; running
+-- stages whose lease has expired right now.
+SELECT stage, coalesce(sum(attempt), 0)::bigint AS runs,
+       coalesce(sum(greatest(attempt - 1, 0)), 0)::bigint AS retries,
+       coalesce(sum(lease_takeovers), 0)::bigint AS lease_takeovers,
+       count(*) FILTER (WHERE status = 'running' AND lease_until < now()) AS expired_now
+  FROM job_stage WHERE stage <> 'uploaded' GROUP BY stage;
+
+-- name: metrics_provider_attempts
+-- Provider attempts per outcome and model profile, with their cost (USD).
+SELECT outcome, model_profile, count(*) AS n, coalesce(sum(cost_usd), 0)::float8 AS cost_usd
+  FROM provider_attempt GROUP BY outcome, model_profile;
+
+-- name: metrics_stage_durations
+-- Run time (finished_at - started_at, seconds) of stages that succeeded in the last
+-- %(window_s)s seconds, per stage and lane, counted per bucket: idx = how many bucket bounds
+-- (%(bounds)s, ascending) lie below the value, so the value is <= bounds[idx].
+WITH d AS (
+    SELECT s.stage, j.lane,
+           greatest(extract(epoch FROM s.finished_at - s.started_at), 0)::float8 AS v
+      FROM job_stage s JOIN job j USING (job_id)
+     WHERE s.finished_at >= now() - make_interval(secs => %(window_s)s)
+       AND s.status = 'succeeded' AND s.stage <> 'uploaded' AND s.started_at IS NOT NULL)
+SELECT stage, lane,
+       (SELECT count(*) FROM unnest(%(bounds)s::float8[]) AS b(le) WHERE b.le < d.v) AS idx,
+       count(*) AS n, sum(v)::float8 AS sum_s
+  FROM d GROUP BY stage, lane, idx;
+
+-- name: metrics_queue_waits
+-- Queue wait (seconds) of stages that succeeded in the last %(window_s)s seconds: from the
+-- previous checkpoint's finish (its event was written to the outbox) to this stage's latest
+-- claim, per stage and lane; buckets as in metrics_stage_durations. %(stages)s and
+-- %(prevs)s pair each stage with the one before it.
+WITH pairs AS (SELECT * FROM unnest(%(stages)s::text[], %(prevs)s::text[]) AS p(stage, prev)),
+d AS (
+    SELECT s.stage, j.lane,
+           greatest(extract(epoch FROM s.started_at - p.finished_at), 0)::float8 AS v
+      FROM job_stage s
+      JOIN pairs ON pairs.stage = s.stage
+      JOIN job_stage p ON p.job_id = s.job_id AND p.stage = pairs.prev
+      JOIN job j ON j.job_id = s.job_id
+     WHERE s.finished_at >= now() - make_interval(secs => %(window_s)s)
+       AND s.status = 'succeeded' AND s.started_at IS NOT NULL AND p.finished_at IS NOT NULL)
+SELECT stage, lane,
+       (SELECT count(*) FROM unnest(%(bounds)s::float8[]) AS b(le) WHERE b.le < d.v) AS idx,
+       count(*) AS n, sum(v)::float8 AS sum_s
+  FROM d GROUP BY stage, lane, idx;
+
+-- ---------------------------------------------------------------- retention (jobstream gc)
+-- Each deletes at most %(limit)s rows older than %(horizon_s)s seconds, oldest first, so one
+-- transaction stays short; the caller repeats until fewer come back.
+
+-- name: gc_outbox
+-- Published outbox rows: never read again once the broker acknowledged them (the relay reads
+-- published_at IS NULL only). Unpublished rows are never deleted, however old.
+DELETE FROM outbox WHERE id IN (
+    SELECT id FROM outbox
+     WHERE published_at IS NOT NULL
+       AND published_at < now() - make_interval(secs => %(horizon_s)s)
+     ORDER BY published_at LIMIT %(limit)s);
+
+-- name: gc_processed_event
+-- Idempotent-consumer rows older than every redelivery window (checked against the topics'
+-- retention by the caller).
+DELETE FROM processed_event WHERE (consumer_group, dedup_key, event_type) IN (
+    SELECT consumer_group, dedup_key, event_type FROM processed_event
+     WHERE processed_at < now() - make_interval(secs => %(horizon_s)s)
+     ORDER BY processed_at LIMIT %(limit)s);
+
+-- name: gc_job_request
+-- Idempotency records of jobs that finished long ago, themselves old. A job still open (or
+-- parked) keeps every record. The job row keeps its first key and request hash.
+DELETE FROM job_request WHERE (tenant_id, idempotency_key) IN (
+    SELECT r.tenant_id, r.idempotency_key FROM job_request r JOIN job j USING (job_id)
+     WHERE r.created_at < now() - make_interval(secs => %(horizon_s)s)
+       AND j.status IN ('succeeded', 'failed', 'cancelled')
+       AND j.finished_at < now() - make_interval(secs => %(horizon_s)s)
+     ORDER BY r.created_at LIMIT %(limit)s);

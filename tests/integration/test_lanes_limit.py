@@ -71,6 +71,18 @@ def test_429_above_a_threshold_converges_below_it_without_a_retry_avalanche(
     limit = query(settings.database_url, "SELECT limit_now, decreases FROM provider_limit")[0]
     assert limit["decreases"] >= 1  # AIMD reacted to the 429s
     assert limit["limit_now"] <= 8
+    # ... and it is visible in the metrics.
+    from prometheus_client import generate_latest
+
+    from jobstream.metrics import registry
+    from jobstream.store import Store
+    store = Store(settings.database_url, max_size=1)
+    try:
+        text = generate_latest(registry(settings, store)).decode()
+    finally:
+        store.close()
+    assert 'jobstream_provider_limit_decreases_total{profile="custom"}' in text
+    assert 'jobstream_provider_limit_window{profile="custom"}' in text
     attempts = query(settings.database_url,
                      "SELECT count(*) AS n FROM provider_attempt")[0]["n"]
     assert attempts == calls["total"]

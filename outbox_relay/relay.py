@@ -12,11 +12,11 @@ Protocol (design.md, "Outbox relay"):
    ``flush()``, and check every delivery report.
 4. Only then mark the delivered rows published. A crash between 3 and 4 re-publishes the batch:
    that is the at-least-once side, absorbed by idempotent consumers.
-6. The active relay also runs the stuck-stage sweeper (``jobstream.stages.sweep``).
 5. Wake on ``LISTEN outbox_v1`` (a NOTIFY is sent by a trigger at commit); fall back to polling
    every ``relay_poll_interval_s``. Every ``gc_interval_s`` the active relay runs retention
    (:mod:`jobstream.retention`): published outbox rows, idempotent-consumer rows and
    idempotency records past their horizons, a bounded number of batches per run.
+6. The active relay also runs the stuck-stage sweeper (``jobstream.stages.sweep``).
 """
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ UPDATE job_stage
 -- name: fail_open_job
 -- Give up on a job whose stage event exhausted the retry budget (no run owns the stage).
 UPDATE job_stage SET status = 'failed', error_code = %s, error = %s, lease_until = NULL,
-                     updated_at = now()
+                     finished_at = now(), updated_at = now()
  WHERE job_id = %s AND stage = %s AND status IN ('pending', 'running');
 
 -- name: cancel_requested
@@ -136,7 +136,8 @@ SELECT cancel_requested FROM job WHERE job_id = %s;
 -- name: cancel_stage
 -- Fenced: the run stopped because the user cancelled the job.
 UPDATE job_stage SET status = 'failed', error_code = 'cancelled_by_user',
-                     error = 'cancelled by user', lease_until = NULL, updated_at = now()
+                     error = 'cancelled by user', lease_until = NULL, finished_at = now(),
+                     updated_at = now()
  WHERE job_id = %s AND stage = %s AND run_token = %s AND status = 'running';
 
 -- name: request_cancel

@@ -247,7 +247,8 @@ def _call_provider(ctx: StageContext, claim: Claim, profile: ModelProfile, promp
     (within ``provider_deadline_s`` seconds) with full-jitter backoff honouring Retry-After,
     each checked against the job's budget (:func:`_check_budget`).
 
-    Every attempt is a ``provider_attempt`` row committed before the request is sent. Returns
+    Every attempt is a ``provider_attempt`` row committed before the request is sent; a
+    success is recorded together with the chunk's output (one transaction). Returns
     ``(model output, attempt_id)``. Raises :class:`PermanentError` (provider said no, or the
     budget is spent), :class:`NeedsReconciliation` (unknown outcome, lane policy
     ``reconcile``) or :class:`RetryableError` ``provider_unavailable`` when the in-process
@@ -289,10 +290,12 @@ def _call_provider(ctx: StageContext, claim: Claim, profile: ModelProfile, promp
             raise
         else:
             cost = profile.cost_usd(done.prompt_tokens, done.completion_tokens)
-            ctx.store.finish_attempt(attempt_id, outcome="succeeded",
-                                     status_code=done.status_code, latency_ms=done.latency_ms,
-                                     prompt_tokens=done.prompt_tokens,
-                                     completion_tokens=done.completion_tokens, cost_usd=cost)
+            ctx.store.succeed_chunk_attempt(claim, attempt_id, idx=chunk["idx"],
+                                            output=done.content, status_code=done.status_code,
+                                            latency_ms=done.latency_ms,
+                                            prompt_tokens=done.prompt_tokens,
+                                            completion_tokens=done.completion_tokens,
+                                            cost_usd=cost)
             return done.content, attempt_id
         if round_attempt == s.provider_max_attempts or time.monotonic() + wait > deadline:
             break
@@ -319,9 +322,8 @@ def _llm(ctx: StageContext, claim: Claim, ev: Any) -> StageResult:
     for ch in chunks:
         if ch["llm_output"] is not None:
             continue  # answered in an earlier run of this stage: never paid for twice
-        output, attempt_id = _call_provider(ctx, claim, profile, prompt, ch)
+        _call_provider(ctx, claim, profile, prompt, ch)  # stores the chunk's output
         calls += 1
-        ctx.store.save_chunk_output(claim, ch["idx"], output, attempt_id)
     faults.point("llm_after_provider_before_checkpoint")
     outputs = [c["llm_output"] for c in ctx.store.chunks(job["job_id"])]
     if any(o is None for o in outputs):

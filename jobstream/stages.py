@@ -466,17 +466,20 @@ def run_stage(ctx: StageContext, ev: Any) -> str:
     try:
         try:
             result = spec.work(ctx, claim, ev)
+            next_event = spec.emits(**common, payload=result.payload)
+            ctx.store.complete(claim, output=result.output, input_hash=result.input_hash,
+                               code_version=result.code_version, cost_usd=result.cost_usd,
+                               group=group, event_type=ev.event_type, event_id=ev.event_id,
+                               next_msg=_msg(ctx, next_event), chunks=result.chunks,
+                               charge_usd=result.charge_usd, later_stages=later)
         except (RetryableError, OutcomeUnknown) as exc:
-            # Give the stage back so the retry claims it at once; then let the caller retry.
+            # Give the stage back so the retry claims it at once instead of waiting for this
+            # run's lease; then let the caller retry. Also when the completing transaction
+            # itself failed (Postgres restarting, a serialization failure): it rolled back, or
+            # it committed and the fenced release finds the stage succeeded and changes nothing.
             with contextlib.suppress(RetryableError):
                 ctx.store.release(claim, error_code=exc.code, error=str(exc))
             raise
-        next_event = spec.emits(**common, payload=result.payload)
-        ctx.store.complete(claim, output=result.output, input_hash=result.input_hash,
-                           code_version=result.code_version, cost_usd=result.cost_usd,
-                           group=group, event_type=ev.event_type, event_id=ev.event_id,
-                           next_msg=_msg(ctx, next_event), chunks=result.chunks,
-                           charge_usd=result.charge_usd, later_stages=later)
         return "done"
     except NeedsReconciliation as exc:
         try:

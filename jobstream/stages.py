@@ -273,7 +273,8 @@ def _call_provider(ctx: StageContext, claim: Claim, profile: ModelProfile, promp
     (within ``provider_deadline_s`` seconds) with full-jitter backoff honouring Retry-After,
     each checked against the job's budget (:func:`_check_budget`).
 
-    Every attempt is a ``provider_attempt`` row committed before the request is sent. Returns
+    Every attempt is a ``provider_attempt`` row committed before the request is sent; a
+    success is recorded together with the chunk's output (one transaction). Returns
     ``(model output, attempt_id)``. Raises :class:`PermanentError` (provider said no, or the
     budget is spent), :class:`NeedsReconciliation` (unknown outcome, lane policy
     ``reconcile``) or :class:`RetryableError` ``provider_unavailable`` when the in-process
@@ -369,10 +370,12 @@ def _one_attempt(ctx: StageContext, claim: Claim, client: ProviderClient, profil
                                  status_code=_status_of(exc))
         raise
     cost = profile.cost_usd(done.prompt_tokens, done.completion_tokens)
-    ctx.store.finish_attempt(attempt_id, outcome="succeeded",
-                             status_code=done.status_code, latency_ms=done.latency_ms,
-                             prompt_tokens=done.prompt_tokens,
-                             completion_tokens=done.completion_tokens, cost_usd=cost)
+    # The attempt's success and the chunk's output in ONE transaction: a crash between two
+    # would leave an answered chunk without output, and the retry would pay for it again.
+    ctx.store.succeed_chunk_attempt(claim, attempt_id, idx=chunk["idx"], output=done.content,
+                                    status_code=done.status_code, latency_ms=done.latency_ms,
+                                    prompt_tokens=done.prompt_tokens,
+                                    completion_tokens=done.completion_tokens, cost_usd=cost)
     return (done.content, attempt_id), "succeeded", 0.0, last, retry_after
 
 
@@ -394,9 +397,8 @@ def _llm(ctx: StageContext, claim: Claim, ev: Any) -> StageResult:
             continue  # answered in an earlier run of this stage: never paid for twice
         if ctx.store.cancel_requested(job["job_id"]):
             raise JobCancelled("cancelled before the next provider call")
-        output, attempt_id = _call_provider(ctx, claim, profile, prompt, ch)
+        _call_provider(ctx, claim, profile, prompt, ch)  # stores the chunk's output
         calls += 1
-        ctx.store.save_chunk_output(claim, ch["idx"], output, attempt_id)
     faults.point("llm_after_provider_before_checkpoint")
     outputs = [c["llm_output"] for c in ctx.store.chunks(job["job_id"])]
     if any(o is None for o in outputs):
@@ -539,18 +541,21 @@ def run_stage(ctx: StageContext, ev: Any) -> str:
     try:
         try:
             result = spec.work(ctx, claim, ev)
+            next_event = spec.emits(**common, payload=result.payload)
+            ctx.store.complete(claim, output=result.output, input_hash=result.input_hash,
+                               code_version=result.code_version, cost_usd=result.cost_usd,
+                               group=group, event_type=ev.event_type, event_id=ev.event_id,
+                               next_msg=_msg(ctx, next_event, claim.job["lane"]),
+                               chunks=result.chunks, charge_usd=result.charge_usd,
+                               later_stages=later)
         except (RetryableError, OutcomeUnknown) as exc:
-            # Give the stage back so the retry claims it at once; then let the caller retry.
+            # Give the stage back so the retry claims it at once instead of waiting for this
+            # run's lease; then let the caller retry. Also when the completing transaction
+            # itself failed (Postgres restarting, a serialization failure): it rolled back, or
+            # it committed and the fenced release finds the stage succeeded and changes nothing.
             with contextlib.suppress(RetryableError):
                 ctx.store.release(claim, error_code=exc.code, error=str(exc))
             raise
-        next_event = spec.emits(**common, payload=result.payload)
-        ctx.store.complete(claim, output=result.output, input_hash=result.input_hash,
-                           code_version=result.code_version, cost_usd=result.cost_usd,
-                           group=group, event_type=ev.event_type, event_id=ev.event_id,
-                           next_msg=_msg(ctx, next_event, claim.job["lane"]),
-                           chunks=result.chunks,
-                           charge_usd=result.charge_usd, later_stages=later)
         return "done"
     except JobCancelled:
         try:

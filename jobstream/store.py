@@ -536,13 +536,25 @@ class Store:
         assert row is not None
         return float(row["cost_usd"]), int(row["calls"])
 
-    def save_chunk_output(self, claim: Claim, idx: int, output: Any, attempt_id: int) -> None:
-        """Keep one chunk's model output (fenced). Raises :class:`StaleRun` if fenced off."""
+    def succeed_chunk_attempt(self, claim: Claim, attempt_id: int, *, idx: int, output: Any,
+                              status_code: int | None, latency_ms: float | None,
+                              prompt_tokens: int | None, completion_tokens: int | None,
+                              cost_usd: float) -> None:
+        """Record a succeeded provider attempt AND keep the chunk's model output, in ONE
+        transaction (the output fenced by the run token): a ``succeeded`` attempt always has its
+        output stored, so a retry after a crash or a Postgres outage between the two never pays
+        for the chunk a second time. When a newer run owns the stage the attempt's outcome is
+        still committed (it was paid for) and :class:`StaleRun` is raised."""
         with self.tx() as conn:
+            conn.execute(Q["finish_provider_attempt"], {
+                "outcome": "succeeded", "status_code": status_code, "latency_ms": latency_ms,
+                "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "cost_usd": cost_usd, "error": None, "attempt_id": attempt_id})
             cur = conn.execute(Q["save_chunk_output"], {
                 "output": Jsonb(output), "attempt_id": attempt_id, "job_id": claim.job["job_id"],
                 "idx": idx, "run_token": claim.run_token})
-        if cur.rowcount != 1:
+            saved = cur.rowcount == 1
+        if not saved:
             raise StaleRun(f"LLM stage of job {claim.job['job_id']} has a newer run")
 
     # ------------------------------------------------------------------ metrics

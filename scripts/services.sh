@@ -14,6 +14,7 @@ set -euo pipefail
 usage() {
   cat <<'EOF'
 Usage: scripts/services.sh {up|down|status|env} [--help]
+       scripts/services.sh {start|stop|restart|status} [kafka|postgres] [--immediate]
 
 Commands
   up       Install (if needed) and start Kafka and PostgreSQL. Idempotent: a
@@ -23,6 +24,13 @@ Commands
   status   Print up/down for each service; exit 0 if both answer, 3 otherwise.
   env      Print `export ...` lines for the project settings:
              eval "$(scripts/services.sh env)"
+
+  start [SERVICE]                 `up` for one service (kafka or postgres); all without SERVICE.
+  stop [SERVICE] [--immediate]    `down` for one service; all without SERVICE.
+           --immediate simulates a crash instead of a clean shutdown: Kafka gets
+           SIGKILL, PostgreSQL `pg_ctl stop -m immediate` (crash recovery on start).
+  restart SERVICE [--immediate]   stop, then start one service (what a fault test needs).
+  status SERVICE                  up/down of one service; exit 0 if it answers, 3 otherwise.
 
 Environment (all optional)
   JOBSTREAM_HOME                     state dir            (default: <repo>/.local)
@@ -492,8 +500,9 @@ up_kafka() {
   KAFKA_RESULT="$LOCAL_BOOTSTRAP (started)"
 }
 
+# down_kafka [immediate]: SIGTERM (controlled shutdown), or SIGKILL to simulate a crash.
 down_kafka() {
-  local pid i
+  local pid i immediate=${1:-0}
   if ! pid=$(kafka_our_pid); then
     rm -f "$KAFKA_PID"
     if kafka_answers "$BOOTSTRAP"; then
@@ -503,8 +512,13 @@ down_kafka() {
     fi
     return 0
   fi
-  log "kafka: stopping broker pid $pid (SIGTERM)"
-  kill -TERM "$pid" 2>/dev/null || true
+  if ((immediate)); then
+    log "kafka: killing broker pid $pid (SIGKILL, --immediate)"
+    kill -KILL "$pid" 2>/dev/null || true
+  else
+    log "kafka: stopping broker pid $pid (SIGTERM)"
+    kill -TERM "$pid" 2>/dev/null || true
+  fi
   for ((i = 0; i < 300; i++)); do
     pid_alive "$pid" || break
     sleep 0.1
@@ -711,11 +725,13 @@ up_pg() {
   PG_RESULT="$LOCAL_DB_URL ($how)"
 }
 
+# down_pg [immediate]: pg_ctl stop -m fast, or -m immediate (a crash: recovery on next start).
 down_pg() {
-  local bin
+  local bin mode=fast
+  [[ ${1:-0} == 1 ]] && mode=immediate
   if [[ -f $PG_DATA/PG_VERSION ]] && bin=$(find_pg_bin) && PG_BIN=$bin && pg_running; then
-    log "postgres: stopping cluster $PG_DATA (pg_ctl stop -m fast)"
-    as_pg "$PG_BIN/pg_ctl" -D "$PG_DATA" -m fast -w -t 60 stop >/dev/null \
+    log "postgres: stopping cluster $PG_DATA (pg_ctl stop -m $mode)"
+    as_pg "$PG_BIN/pg_ctl" -D "$PG_DATA" -m "$mode" -w -t 60 stop >/dev/null \
       || die "postgres: pg_ctl stop failed (log: $PG_LOG)"
     echo "postgres: stopped ($PG_DATA)"
   elif pg_answers "$DB_URL"; then
@@ -737,36 +753,58 @@ take_lock() {
   fi
 }
 
+# Commands take an optional service (SERVICE: kafka or postgres; empty = both).
 cmd_up() {
+  local svc=${1:-} t0
   take_lock
-  local t0
   t0=$(now)
-  up_pg
-  up_kafka
+  [[ $svc == kafka ]] || up_pg
+  [[ $svc == postgres ]] || up_kafka
   log "done in $(($(now) - t0))s"
-  echo "kafka: $KAFKA_RESULT"
-  echo "postgres: $PG_RESULT"
+  [[ $svc == postgres ]] || echo "kafka: $KAFKA_RESULT"
+  [[ $svc == kafka ]] || echo "postgres: $PG_RESULT"
 }
 
 cmd_down() {
+  local svc=${1:-} immediate=${2:-0}
   take_lock
-  down_kafka
-  down_pg
+  [[ $svc == postgres ]] || down_kafka "$immediate"
+  [[ $svc == kafka ]] || down_pg "$immediate"
+}
+
+cmd_restart() {
+  local svc=$1 immediate=${2:-0} t0
+  take_lock
+  t0=$(now)
+  if [[ $svc == kafka ]]; then
+    down_kafka "$immediate"
+    up_kafka
+    echo "kafka: $KAFKA_RESULT"
+  else
+    down_pg "$immediate"
+    up_pg
+    echo "postgres: $PG_RESULT"
+  fi
+  log "restarted $svc in $(($(now) - t0))s"
 }
 
 cmd_status() {
-  local rc=0
-  if kafka_answers "$BOOTSTRAP"; then
-    echo "kafka: up ($BOOTSTRAP)"
-  else
-    echo "kafka: down ($BOOTSTRAP)"
-    rc=3
+  local svc=${1:-} rc=0
+  if [[ $svc != postgres ]]; then
+    if kafka_answers "$BOOTSTRAP"; then
+      echo "kafka: up ($BOOTSTRAP)"
+    else
+      echo "kafka: down ($BOOTSTRAP)"
+      rc=3
+    fi
   fi
-  if pg_answers "$DB_URL"; then
-    echo "postgres: up ($DB_URL)"
-  else
-    echo "postgres: down ($DB_URL)"
-    rc=3
+  if [[ $svc != kafka ]]; then
+    if pg_answers "$DB_URL"; then
+      echo "postgres: up ($DB_URL)"
+    else
+      echo "postgres: down ($DB_URL)"
+      rc=3
+    fi
   fi
   return "$rc"
 }
@@ -776,22 +814,45 @@ cmd_env() {
   printf 'export JOBSTREAM_DATABASE_URL=%q\n' "$DB_URL"
 }
 
+usage_error() {
+  printf '[services] ERROR: %s\n\n' "$*" >&2
+  usage >&2
+  exit 2
+}
+
 main() {
   if (($# == 0)); then
     usage >&2
     exit 2
   fi
-  case $1 in
-    -h | --help | help) usage ;;
-    up | start) cmd_up ;;
-    down | stop) cmd_down ;;
-    status) cmd_status ;;
-    env) cmd_env ;;
-    *)
-      printf '[services] ERROR: unknown command %q\n\n' "$1" >&2
-      usage >&2
-      exit 2
-      ;;
+  local cmd=$1 svc="" immediate=0 arg
+  shift
+  case $cmd in
+    -h | --help | help) usage; return 0 ;;
+    env) cmd_env; return 0 ;;
+  esac
+  for arg in "$@"; do
+    case $arg in
+      -h | --help) usage; return 0 ;;
+      kafka | postgres)
+        [[ -z $svc ]] || usage_error "one service at a time (got $svc and $arg)"
+        svc=$arg ;;
+      --immediate) immediate=1 ;;
+      *) usage_error "unknown argument $(printf '%q' "$arg") to $cmd" ;;
+    esac
+  done
+  case $cmd in
+    stop | down | restart) ;;
+    *) ((immediate == 0)) || usage_error "--immediate only goes with stop, down or restart" ;;
+  esac
+  case $cmd in
+    up | start) cmd_up "$svc" ;;
+    down | stop) cmd_down "$svc" "$immediate" ;;
+    restart)
+      [[ -n $svc ]] || usage_error "restart needs a service: kafka or postgres"
+      cmd_restart "$svc" "$immediate" ;;
+    status) cmd_status "$svc" ;;
+    *) usage_error "unknown command $(printf '%q' "$cmd")" ;;
   esac
 }
 

@@ -7,6 +7,7 @@ workers consume also has a ``<topic>.retry`` twin (transient failures, with a no
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -93,3 +94,22 @@ def ensure_topics(settings: Settings, timeout_s: float = 30.0) -> list[str]:
             break
         time.sleep(0.2)
     return created
+
+
+def delete_topics(settings: Settings, timeout_s: float = 30.0) -> list[str]:
+    """Delete every topic of ``settings.topic_prefix`` (a non-empty prefix is required: this
+    is for tests and throwaway runs). Returns the names deleted; errors are ignored."""
+    if not settings.topic_prefix:
+        raise ValueError("refusing to delete topics without a topic prefix")
+    admin = AdminClient(base_config(settings))
+    try:
+        names = [t for t in admin.list_topics(timeout=timeout_s).topics
+                 if t.startswith(settings.topic_prefix)]
+    except KafkaException:
+        return []
+    if not names:
+        return []
+    for fut in admin.delete_topics(names, operation_timeout=timeout_s).values():
+        with contextlib.suppress(KafkaException):
+            fut.result(timeout=timeout_s)
+    return names

@@ -41,7 +41,7 @@ Environment (all optional)
                                      (default: 127.0.0.1:$JOBSTREAM_KAFKA_PORT)
   JOBSTREAM_DATABASE_URL             or DATABASE_URL: PostgreSQL to use/reuse
                    (default: postgresql://jobstream:jobstream@127.0.0.1:$JOBSTREAM_PG_PORT/jobstream)
-  JOBSTREAM_KAFKA_HEAP_OPTS          broker heap          (default: -Xmx512m -Xms256m)
+  JOBSTREAM_KAFKA_HEAP_OPTS          broker heap          (default: -Xmx2g -Xms512m)
   JOBSTREAM_KAFKA_START_TIMEOUT      seconds to wait for the broker (default: 60)
 
 Layout
@@ -65,7 +65,7 @@ case $JOBSTREAM_HOME in /*) ;; *) JOBSTREAM_HOME=$PWD/$JOBSTREAM_HOME ;; esac
 KAFKA_PORT=${JOBSTREAM_KAFKA_PORT:-9092}
 KAFKA_CONTROLLER_PORT=${JOBSTREAM_KAFKA_CONTROLLER_PORT:-9093}
 PG_PORT=${JOBSTREAM_PG_PORT:-55432}
-KAFKA_HEAP_OPTS=${JOBSTREAM_KAFKA_HEAP_OPTS:--Xmx512m -Xms256m}
+KAFKA_HEAP_OPTS=${JOBSTREAM_KAFKA_HEAP_OPTS:--Xmx2g -Xms512m}
 KAFKA_START_TIMEOUT=${JOBSTREAM_KAFKA_START_TIMEOUT:-60}
 
 LOCAL_BOOTSTRAP=127.0.0.1:$KAFKA_PORT

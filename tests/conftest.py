@@ -23,7 +23,7 @@ import pytest
 from psycopg import sql
 
 from jobstream.db import migrate
-from jobstream.kafka import ensure_topics
+from jobstream.kafka import delete_topics, ensure_topics
 from jobstream.services import SCRIPT, kafka_answers, postgres_answers
 from jobstream.settings import DEFAULT_DATABASE_URL, DEFAULT_KAFKA, Settings
 from tests.helpers import ProcessRunner
@@ -106,13 +106,16 @@ def database_url(endpoints: Endpoints, template_db: str) -> Iterator[str]:
 
 
 @pytest.fixture
-def settings(endpoints: Endpoints, database_url: str) -> Settings:
-    """Settings of one test: own database, own topic prefix, short timeouts."""
+def settings(endpoints: Endpoints, database_url: str) -> Iterator[Settings]:
+    """Settings of one test: own database, own topic prefix, short timeouts. The test's topics
+    are deleted afterwards: a single-node broker's heap grows with every partition it holds,
+    and a whole suite creates thousands."""
     s = Settings(database_url=database_url, kafka_bootstrap_servers=endpoints.kafka,
                  topic_prefix=f"t{uuid.uuid4().hex[:8]}.", consumer_session_timeout_ms=6000,
                  relay_poll_interval_s=0.2, lease_s=30.0, provider_backoff_base_s=0.05)
     ensure_topics(s)
-    return s
+    yield s
+    delete_topics(s)
 
 
 @pytest.fixture

@@ -22,6 +22,8 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -124,7 +126,7 @@ class JobView(BaseModel):
     pipeline: str
     prompt_version: str
     model_profile: str
-    attempts: int = Field(description="Stage runs over all stages (retries included).")
+    stage_runs: int = Field(description="Stage runs over all stages (retries included).")
     provider_attempts: list[AttemptView]
     cost_so_far_usd: float = Field(description="Provider cost of every attempt so far (USD).")
     charge_usd: float = Field(description="What the client is charged: per accepted job (USD).")
@@ -229,6 +231,21 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
                                                                    "message": str(exc.detail)}
         return JSONResponse(detail, status_code=exc.status_code, headers=exc.headers)
 
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        if any(e.get("loc", ())[:2] == ("header", "Idempotency-Key") for e in errors):
+            return JSONResponse({"code": "missing_idempotency_key",
+                                 "message": "the Idempotency-Key header is required (one key "
+                                            "per client intent)"}, status_code=400)
+        detail = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}"
+                           for e in errors[:5])
+        hint = (" (send Content-Type: application/json)"
+                if any(e.get("type") in ("model_attributes_type", "dict_type") for e in errors)
+                else "")
+        return JSONResponse({"code": "invalid_request", "message": detail + hint,
+                             "errors": jsonable_encoder(errors)}, status_code=422)
+
     @app.exception_handler(RetryableError)
     async def _unavailable(_: Request, exc: RetryableError) -> JSONResponse:
         return JSONResponse({"code": exc.code, "message": str(exc)}, status_code=503,
@@ -297,7 +314,7 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
             stages_total=len(STAGES), lane=job["lane"], filename=job["filename"],
             pipeline=job["pipeline"], prompt_version=job["prompt_version"],
             model_profile=job["model_profile"],
-            attempts=sum(s["attempt"] for s in stages if s["stage"] != "uploaded"),
+            stage_runs=sum(s["attempt"] for s in stages if s["stage"] != "uploaded"),
             provider_attempts=[AttemptView(**a) for a in attempts],
             cost_so_far_usd=job["cost_so_far_usd"], charge_usd=float(job["charge_usd"]),
             cancel_requested=job["cancel_requested"], error_code=job["error_code"],

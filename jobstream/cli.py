@@ -14,6 +14,10 @@ from rich.table import Table
 from jobstream.settings import get_settings
 
 
+def _quiet_http_client() -> None:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no per-request INFO lines
+
+
 def _logging(level: str) -> None:
     """Log to stderr at ``level`` in ``JOBSTREAM_LOG_FORMAT`` (text, or json lines)."""
     from jobstream.logs import configure
@@ -70,7 +74,7 @@ def migrate_cmd() -> None:
 
 @main.command()
 def topics() -> None:
-    """Create the pipeline topics and their .dlq twins (partitions from settings)."""
+    """Create the pipeline topics and their .retry/.dlq twins (partitions from settings)."""
     from jobstream.kafka import ensure_topics
     created = ensure_topics(get_settings())
     click.echo(f"created {len(created)} topics" + (": " + ", ".join(created) if created else ""))
@@ -109,7 +113,7 @@ def worker(lane: str, stages: str | None) -> None:
 
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--port", default=8080, show_default=True, type=int)
 def api(host: str, port: int) -> None:
     """Serve the HTTP API (OpenAPI at /openapi.json, docs at /docs).
 
@@ -181,7 +185,7 @@ def jobs(tenant: str) -> None:
 
 
 _api_url = click.option("--api", "api_url", envvar="JOBSTREAM_API_URL",
-                        default="http://127.0.0.1:8000", show_default=True,
+                        default="http://127.0.0.1:8080", show_default=True,
                         help="API base URL (env JOBSTREAM_API_URL).")
 _api_token = click.option("--token", envvar="JOBSTREAM_API_TOKEN", required=True,
                           help="Bearer token of your tenant (env JOBSTREAM_API_TOKEN).")
@@ -190,6 +194,7 @@ _TERMINAL = ("succeeded", "failed", "cancelled", "needs_reconciliation")
 
 def _client(api_url: str, token: str):  # type: ignore[no-untyped-def]
     from jobstream.client import ApiClient
+    _quiet_http_client()
     return ApiClient(api_url, token)
 
 
@@ -298,7 +303,11 @@ def status(job_id: str, api_url: str, token: str, follow: bool, as_json: bool) -
 def cancel(job_id: str, api_url: str, token: str) -> None:
     """Cancel a job through the API (it stops before its next provider call)."""
     r = _client(api_url, token).cancel(job_id)
-    click.echo(f"job {r['job_id']}: {r['status']}")
+    if r["status"] in ("succeeded", "failed", "cancelled"):
+        click.echo(f"job {r['job_id']} had already ended ({r['status']}): nothing to cancel")
+    else:
+        click.echo(f"job {r['job_id']}: cancel requested (now {r['status']}; it stops before "
+                   "its next provider call)")
 
 
 @main.command()
@@ -360,15 +369,18 @@ def _ctx():  # type: ignore[no-untyped-def]
 
 @main.command()
 @click.argument("job_id", type=click.UUID)
-@click.option("--from", "from_stage", help="Stage to restart at (default: the first one that "
-              "did not succeed). Finished stages with unchanged code are re-emitted, not redone.")
+@click.option("--from", "from_stage",
+              type=click.Choice(["text_extracted", "chunks_ready", "llm_done", "validated",
+                                 "published"]),
+              help="Stage to restart at (default: the first one that did not succeed). "
+                   "Finished stages with unchanged code are re-emitted, not redone.")
 def redrive(job_id, from_stage: str | None) -> None:  # type: ignore[no-untyped-def]
     """Send a failed, parked or finished job through its stages again."""
     from jobstream.stages import redrive as do_redrive
     try:
         stage = do_redrive(_ctx(), job_id, from_stage)
     except (KeyError, ValueError) as exc:
-        raise click.ClickException(str(exc)) from None
+        raise click.ClickException(str(exc.args[0] if exc.args else exc)) from None
     click.echo(f"job {job_id} re-driven from {stage}")
 
 
@@ -388,6 +400,9 @@ def reconcile(job_id, resolution: str | None) -> None:  # type: ignore[no-untype
     ctx = _ctx()
     if job_id is None:
         rows = ctx.store.parked_jobs()
+        if not rows:
+            click.echo("no jobs need reconciliation")
+            return
         t = Table(title="jobs needing reconciliation")
         for c in ("job id", "tenant", "document", "lane", "stage", "unknown attempts", "since"):
             t.add_column(c)

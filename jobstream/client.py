@@ -20,7 +20,7 @@ class ApiError(Exception):
     """The API answered an error: HTTP ``status``, stable ``code``, human ``message``."""
 
     def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(f"{status} {code}: {message}")
+        super().__init__(f"{status} {code}: {message}" if status else f"{code}: {message}")
         self.status, self.code, self.message = status, code, message
 
 
@@ -41,7 +41,7 @@ def document_body(path: Path, **options: Any) -> dict[str, Any]:
 
 
 class ApiClient:
-    """``base_url``: e.g. ``http://127.0.0.1:8000``; ``token``: the tenant's bearer token."""
+    """``base_url``: e.g. ``http://127.0.0.1:8080``; ``token``: the tenant's bearer token."""
 
     def __init__(self, base_url: str, token: str, timeout_s: float = 60.0) -> None:
         self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s,
@@ -51,7 +51,8 @@ class ApiClient:
         try:
             r = self.http.request(method, path, **kw)
         except httpx.HTTPError as exc:
-            raise ApiError(0, "unreachable", f"{self.http.base_url}: {exc}") from None
+            raise ApiError(0, "unreachable", f"no API at {self.http.base_url} ({exc}); is "
+                           "`jobstream api` running, and is --api right?") from None
         if r.status_code >= 400:
             try:
                 body = r.json()

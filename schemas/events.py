@@ -264,6 +264,8 @@ def decode_event(raw: bytes | str | None, expected: str | tuple[str, ...] | None
         raise PoisonMessage(f"value is not JSON: {exc}", code="not_json") from None
     if isinstance(obj, dict) and expected is not None:
         wanted = (expected,) if isinstance(expected, str) else expected
+        if "event_type" not in obj and len(wanted) == 1:
+            obj["event_type"] = wanted[0]  # the schema gives it a default: the topic's type
         if obj.get("event_type") not in wanted:
             raise PoisonMessage(
                 f"event_type {obj.get('event_type')!r} not in {list(wanted)}",

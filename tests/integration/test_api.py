@@ -77,7 +77,7 @@ def test_idempotent_post_same_key_same_job_409_on_other_body_404_for_other_tenan
     assert httpx.get(f"{api}/v1/jobs/{job_id}").status_code == 401
     assert _post(api, "k3", body, headers={"Authorization": "Bearer nope"}).status_code == 401
     r = httpx.post(f"{api}/v1/jobs", json=body, headers=ACME)
-    assert r.status_code == 422  # Idempotency-Key is required
+    assert r.status_code == 400 and r.json()["code"] == "missing_idempotency_key"
     bad = _post(api, "k4", {"text": "x", "model_profile": "no-such-model"})
     assert bad.status_code == 422 and bad.json()["code"] == "unknown_model_profile"
     # The tenant is never taken from the body.

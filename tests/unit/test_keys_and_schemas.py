@@ -115,3 +115,14 @@ def test_file_uris_are_read_only_under_the_document_roots(tmp_path) -> None:
                          uri=f"file://{tmp_path}/../../etc/passwd")
     with pytest.raises(PermissionError):
         sneaky.content([str(tmp_path)])
+
+
+def test_a_message_without_event_type_is_read_as_the_topics_type() -> None:
+    obj = json.loads(_uploaded().model_dump_json())
+    del obj["event_type"]  # optional in the published schema: it has a default
+    assert decode_event(json.dumps(obj), expected="document.uploaded").event_type == \
+        "document.uploaded"
+    del obj["payload"]
+    with pytest.raises(PoisonMessage) as exc:  # the real reason is reported, not the type
+        decode_event(json.dumps(obj), expected="document.uploaded")
+    assert exc.value.code == "schema_violation" and "payload" in str(exc.value)

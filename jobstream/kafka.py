@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from jobstream.settings import Settings
@@ -80,3 +80,74 @@ def ensure_topics(settings: Settings, timeout_s: float = 30.0) -> list[str]:
             break
         time.sleep(0.2)
     return created
+
+
+def delete_topics(settings: Settings, timeout_s: float = 30.0) -> list[str]:
+    """Delete every jobstream topic of ``settings``' prefix that exists (scratch runs only);
+    returns the names deleted. Raises ``KafkaException`` when the broker refuses."""
+    admin = AdminClient(base_config(settings))
+    existing = set(admin.list_topics(timeout=timeout_s).topics)
+    doomed = [t for t in all_topics(settings) if t in existing]
+    if not doomed:
+        return []
+    for fut in admin.delete_topics(doomed, operation_timeout=timeout_s).values():
+        fut.result(timeout=timeout_s)  # keeps the client alive until the broker answered
+    return doomed
+
+
+def read_to_end(settings: Settings, topics: list[str], timeout_s: float = 30.0) -> list[Message]:
+    """Every message of ``topics`` (full names) up to their end offsets at call time, read
+    with a throwaway, never-committing consumer that joins no group.
+
+    Raises ``RuntimeError`` when a partition cannot be read to its end within ``timeout_s``.
+    """
+    c = Consumer({**base_config(settings), "group.id": f"jobstream-reader-{time.time_ns()}",
+                  "enable.auto.commit": False, "auto.offset.reset": "earliest"})
+    try:
+        ends: dict[tuple[str, int], int] = {}
+        starts: list[TopicPartition] = []
+        for topic in topics:
+            for p in c.list_topics(topic, timeout=10).topics[topic].partitions:
+                lo, hi = c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+                if hi > lo:
+                    ends[(topic, p)] = hi
+                    starts.append(TopicPartition(topic, p, lo))
+        if not starts:
+            return []
+        c.assign(starts)
+        todo, out = set(ends), []
+        deadline = time.monotonic() + timeout_s
+        while todo and time.monotonic() < deadline:
+            m = c.poll(0.5)
+            if m is None:
+                continue
+            if m.error():
+                if m.error().code() == KafkaError._PARTITION_EOF:
+                    continue
+                raise KafkaException(m.error())
+            tp = (m.topic(), m.partition())
+            if tp in ends and m.offset() < ends[tp]:
+                out.append(m)
+            if tp in ends and m.offset() >= ends[tp] - 1:
+                todo.discard(tp)
+        if todo:
+            raise RuntimeError(f"could not read {sorted(todo)} to their end offsets")
+        return out
+    finally:
+        c.close()
+
+
+def group_lag(settings: Settings, group: str, topics: list[str]) -> int:
+    """Messages of ``topics`` (full names) that consumer group ``group`` has not committed
+    yet (0 = the group has processed and committed everything there is). Joins no group."""
+    c = Consumer({**base_config(settings), "group.id": group, "enable.auto.commit": False})
+    try:
+        tps = [TopicPartition(t, p) for t in topics
+               for p in c.list_topics(t, timeout=10).topics[t].partitions]
+        lag = 0
+        for tp in c.committed(tps, timeout=10):
+            lo, hi = c.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), timeout=10)
+            lag += max(0, hi - max(tp.offset, lo))
+        return lag
+    finally:
+        c.close()

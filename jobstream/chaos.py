@@ -44,6 +44,7 @@ from jobstream.store import TERMINAL
 
 #: The process each fault point belongs to (the CLI subcommand that runs it).
 OWNER = {
+    "llm_chunk_answered_before_save": "worker",
     "llm_after_provider_before_checkpoint": "worker",
     "stage_after_commit_before_offset": "worker",
     "relay_after_produce_before_mark": "relay",
@@ -51,6 +52,7 @@ OWNER = {
 }
 #: The matrix: each point, fired on a hit that falls in the middle of a 5-job batch.
 DEFAULT_PLAN = (
+    "llm_chunk_answered_before_save@3",
     "llm_after_provider_before_checkpoint@2",
     "stage_after_commit_before_offset@12",
     "relay_after_produce_before_mark@2",

@@ -4,7 +4,9 @@ Armed by ``JOBSTREAM_FAULT=<point>[,<point>…]`` (optionally ``<point>@N`` to f
 hit); with the variable unset every call is a no-op. SIGKILL, not an exception: nothing gets a
 chance to clean up, exactly like ``kill -9`` or an OOM kill.
 
-Points: ``llm_after_provider_before_checkpoint``, ``stage_after_commit_before_offset``,
+Points: ``llm_chunk_answered_before_save`` (a chunk's answer arrived, its output is not saved
+yet), ``llm_after_provider_before_checkpoint`` (every chunk answered and saved, the ``llm_done``
+checkpoint not written yet), ``stage_after_commit_before_offset``,
 ``relay_after_produce_before_mark`` (also ``relay_after_produce_before_mark:<event_type>``, hit
 once per event type in the batch), ``consumer_after_apply_before_offset``.
 """
@@ -17,6 +19,7 @@ import sys
 from collections import Counter
 
 POINTS = (
+    "llm_chunk_answered_before_save",
     "llm_after_provider_before_checkpoint",
     "stage_after_commit_before_offset",
     "relay_after_produce_before_mark",

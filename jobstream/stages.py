@@ -256,6 +256,7 @@ def _llm(ctx: StageContext, claim: Claim, ev: Any) -> StageResult:
             continue  # answered in an earlier run of this stage: never paid for twice
         output, attempt_id = _call_provider(ctx, claim, profile, prompt, ch)
         calls += 1
+        faults.point("llm_chunk_answered_before_save")
         ctx.store.save_chunk_output(claim, ch["idx"], output, attempt_id)
     faults.point("llm_after_provider_before_checkpoint")
     outputs = [c["llm_output"] for c in ctx.store.chunks(job["job_id"])]

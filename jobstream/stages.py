@@ -193,9 +193,11 @@ def _call_provider(ctx: StageContext, claim: Claim, profile: ModelProfile, promp
                    chunk: dict[str, Any]) -> tuple[dict[str, Any], int]:
     """One chunk through the provider under the budget: attempts AND deadline (seconds).
 
-    Every attempt is a ``provider_attempt`` row committed before the request is sent. Returns
-    ``(model output, attempt_id)``. Raises :class:`PermanentError` (including an exhausted
-    budget, code ``retry_budget_exhausted``).
+    Every attempt is a ``provider_attempt`` row committed before the request is sent; the
+    answer that succeeds is recorded together with the chunk's output (one transaction, see
+    :meth:`Store.record_answer`). Returns ``(model output, attempt_id)``. Raises
+    :class:`PermanentError` (including an exhausted budget, code ``retry_budget_exhausted``)
+    and :class:`StaleRun` when a newer run owns the stage.
     """
     s = ctx.settings
     client = ctx.client(profile)
@@ -224,10 +226,11 @@ def _call_provider(ctx: StageContext, claim: Claim, profile: ModelProfile, promp
             raise
         else:
             cost = profile.cost_usd(done.prompt_tokens, done.completion_tokens)
-            ctx.store.finish_attempt(attempt_id, outcome="succeeded",
-                                     status_code=done.status_code, latency_ms=done.latency_ms,
-                                     prompt_tokens=done.prompt_tokens,
-                                     completion_tokens=done.completion_tokens, cost_usd=cost)
+            faults.point("llm_chunk_answered_before_save")
+            ctx.store.record_answer(claim, chunk["idx"], attempt_id, done.content,
+                                    status_code=done.status_code, latency_ms=done.latency_ms,
+                                    prompt_tokens=done.prompt_tokens,
+                                    completion_tokens=done.completion_tokens, cost_usd=cost)
             return done.content, attempt_id
         if attempt == s.provider_max_attempts or time.monotonic() + wait > deadline:
             break
@@ -254,10 +257,8 @@ def _llm(ctx: StageContext, claim: Claim, ev: Any) -> StageResult:
     for ch in chunks:
         if ch["llm_output"] is not None:
             continue  # answered in an earlier run of this stage: never paid for twice
-        output, attempt_id = _call_provider(ctx, claim, profile, prompt, ch)
+        _call_provider(ctx, claim, profile, prompt, ch)  # saves the chunk's output
         calls += 1
-        faults.point("llm_chunk_answered_before_save")
-        ctx.store.save_chunk_output(claim, ch["idx"], output, attempt_id)
     faults.point("llm_after_provider_before_checkpoint")
     outputs = [c["llm_output"] for c in ctx.store.chunks(job["job_id"])]
     if any(o is None for o in outputs):

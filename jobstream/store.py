@@ -317,11 +317,25 @@ class Store:
         assert row is not None
         return float(row["cost_usd"]), int(row["calls"])
 
-    def save_chunk_output(self, claim: Claim, idx: int, output: Any, attempt_id: int) -> None:
-        """Keep one chunk's model output (fenced). Raises :class:`StaleRun` if fenced off."""
+    def record_answer(self, claim: Claim, idx: int, attempt_id: int, output: Any, *,
+                      status_code: int, latency_ms: float, prompt_tokens: int,
+                      completion_tokens: int, cost_usd: float) -> None:
+        """Record a provider attempt as ``succeeded`` and keep its answer as chunk ``idx``'s
+        output, in ONE transaction: a crash leaves either both or neither (the attempt still
+        ``started``), never a paid success whose answer is lost.
+
+        The output is kept only while ``claim`` still owns the LLM stage (fenced); otherwise
+        the attempt is still recorded (the provider answered and billed it), the answer is
+        discarded and :class:`StaleRun` raised.
+        """
         with self.tx() as conn:
+            conn.execute(Q["finish_provider_attempt"], {
+                "outcome": "succeeded", "status_code": status_code, "latency_ms": latency_ms,
+                "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "cost_usd": cost_usd, "error": None, "attempt_id": attempt_id})
             cur = conn.execute(Q["save_chunk_output"], {
                 "output": Jsonb(output), "attempt_id": attempt_id, "job_id": claim.job["job_id"],
                 "idx": idx, "run_token": claim.run_token})
         if cur.rowcount != 1:
-            raise StaleRun(f"LLM stage of job {claim.job['job_id']} has a newer run")
+            raise StaleRun(f"LLM stage of job {claim.job['job_id']} has a newer run; the answer "
+                           f"of attempt {attempt_id} for chunk {idx} is discarded")

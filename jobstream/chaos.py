@@ -77,9 +77,10 @@ _WORDS = ("ledger archive parcel harbour signal lantern meadow quarry ribbon sad
 def owner_of(fault: str) -> str:
     """The process (``worker``, ``relay``, ``consume-ready``) a fault spec belongs to.
 
-    ``fault`` is ``<point>[:<event_type>][@N]``. Raises ``KeyError`` for an unknown point.
+    ``fault`` is ``<point>[:<event_type>][@N][=kill|=stop]``. Raises ``KeyError`` for an
+    unknown point.
     """
-    name = fault.split("@", 1)[0].split(":", 1)[0]
+    name = fault.split("=", 1)[0].split("@", 1)[0].split(":", 1)[0]
     if name not in OWNER:
         raise KeyError(f"unknown fault point {name!r}; known: {sorted(OWNER)}")
     return OWNER[name]

@@ -253,16 +253,16 @@ def _llm(ctx: StageContext, claim: Claim, ev: Any) -> StageResult:
     chunks = ctx.store.chunks(job["job_id"])
     if not chunks:
         raise RetryableError("chunks not visible yet", code="not_ready")
-    calls = 0
     for ch in chunks:
         if ch["llm_output"] is not None:
             continue  # answered in an earlier run of this stage: never paid for twice
         _call_provider(ctx, claim, profile, prompt, ch)  # saves the chunk's output
-        calls += 1
     faults.point("llm_after_provider_before_checkpoint")
     outputs = [c["llm_output"] for c in ctx.store.chunks(job["job_id"])]
     if any(o is None for o in outputs):
         raise StaleRun("a chunk lost its output: a newer run owns the stage")
+    # Every run's attempts: a run that resumes after a crash reports what the stage cost,
+    # not only its own (possibly zero) calls.
     cost, attempts = ctx.store.stage_provider_cost(job["job_id"], "llm_done")
     digest = sha256_hex(canonical_json(outputs))
     return StageResult(
@@ -271,7 +271,7 @@ def _llm(ctx: StageContext, claim: Claim, ev: Any) -> StageResult:
         input_hash=sha256_hex(canonical_json([c["text_sha256"] for c in chunks])),
         code_version=LLM_VERSION, cost_usd=cost,
         payload=LlmDonePayload(chunk_count=len(outputs), output_sha256=digest,
-                               provider_calls=calls, reused=calls == 0, cost_usd=cost))
+                               provider_calls=attempts, reused=attempts == 0, cost_usd=cost))
 
 
 class ChunkAnalysis(BaseModel):

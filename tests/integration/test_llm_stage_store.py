@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from jobstream import stages
 from jobstream.db import connect
 from jobstream.errors import StaleRun
 from jobstream.llm.fake_provider import FakeProvider
@@ -88,3 +89,21 @@ def test_the_llm_stage_answers_each_chunk_once_and_keeps_the_successful_attempt(
         (c["idx"], "succeeded") for c in chunks]
     assert [c["llm_attempt_id"] for c in chunks] == [a["attempt_id"] for a in attempts]
     assert sorted(fake.snapshot()["by_key"].values()) == [1] * len(chunks)
+
+
+def test_a_run_resuming_after_a_dead_one_pays_nothing_again_and_reports_the_stage_cost(
+        chunked_job) -> None:
+    ctx, fake, ev = chunked_job
+    url = ctx.settings.database_url
+    dead = _claim(ctx, ev, lease_s=30)
+    stages._llm(ctx, dead, ev)  # every chunk answered and saved; then the run "dies"
+    with connect(url) as conn:  # ... and its lease runs out
+        conn.execute("UPDATE job_stage SET lease_until = now() WHERE stage = 'llm_done'")
+    calls = fake.snapshot()["total"]
+    assert run_stage(ctx, ev) == "done"  # the lease expired: taken over, nothing left to ask
+    assert fake.snapshot()["total"] == calls
+    [row] = query(url, "SELECT payload FROM outbox WHERE event_type = 'job.llm_done'")
+    payload = decode_event(bytes(row["payload"])).payload
+    n_chunks = len(query(url, "SELECT idx FROM chunk"))
+    assert payload.provider_calls == n_chunks and payload.reused is False
+    assert payload.cost_usd > 0

@@ -56,6 +56,7 @@ DEFAULT_PLAN = (
     "llm_after_provider_before_checkpoint@2",
     "stage_after_commit_before_offset@12",
     "relay_after_produce_before_mark@2",
+    "relay_after_produce_before_mark:job.ready@2",
     "consumer_after_apply_before_offset@2",
 )
 #: The events every successful job produces, in flow order (one outbox row each).
@@ -142,18 +143,21 @@ class PointResult:
     violations: list[str] = field(default_factory=list)
     effects: dict[str, int] = field(default_factory=dict)
     logdir: Path | None = None
+    log_tails: str = ""
 
     @property
     def ok(self) -> bool:
         """True when the point fired (SIGKILL) and no invariant was violated."""
         return self.killed_rc == -9 and not self.violations
 
-    def report(self) -> str:
-        """A few lines for humans and assertion messages."""
+    def report(self, *, tails: bool = False) -> str:
+        """A few lines for humans; with ``tails`` (assertion messages) the end of every
+        process log of a failed run too."""
         head = (f"{self.fault} ({self.owner}): {'PASS' if self.ok else 'FAIL'} in "
                 f"{self.seconds:.0f}s, killed rc={self.killed_rc}, effects={self.effects}")
         return "\n".join([head, *(f"  - {v}" for v in self.violations),
-                          *([f"  logs: {self.logdir}"] if self.logdir else [])])
+                          *([f"  logs: {self.logdir}"] if self.logdir else []),
+                          *([self.log_tails] if tails and self.log_tails else [])])
 
 
 # ------------------------------------------------------------------------------ invariants
@@ -395,9 +399,20 @@ def run_point(base: Settings, fault: str, *, jobs: int, logdir: Path,
             submit(settings, [uploaded_event(d, tenant_id=tenant, idempotency_key=k,
                                              settings=settings, model_profile="custom")
                               for d, k in zip(docs, keys, strict=True)])
-            if not _wait(lambda: armed.popen.poll() is not None or runner.dead(besides=armed),
-                         timeout_s):
-                result.violations.append(f"{fault} never fired within {timeout_s:.0f}s")
+            finished_first = []
+
+            def fired() -> bool:
+                if armed.popen.poll() is not None or runner.dead(besides=armed):
+                    return True
+                # Every job done and the point not reached: its hit N is beyond this batch.
+                if quiescent(settings, tenant, jobs) and armed.popen.poll() is None:
+                    finished_first.append(True)
+                return bool(finished_first)
+            if not _wait(fired, timeout_s, every_s=1.0) or finished_first:
+                result.violations.append(
+                    f"{fault} never fired " + ("before every job had finished (is N beyond "
+                                               "this batch?)" if finished_first
+                                               else f"within {timeout_s:.0f}s"))
                 return result
             if others := runner.dead(besides=armed):
                 result.violations.append(f"{[p.name for p in others]} died unexpectedly")
@@ -420,9 +435,9 @@ def run_point(base: Settings, fault: str, *, jobs: int, logdir: Path,
                     calls_by_key=fake.snapshot()["by_key"], worker_killed=owner == "worker")
                 result.violations += v
                 result.effects = effects
-                if owner == "consume-ready":
-                    result.effects["downstream_duplicates"] = _count_lines(
-                        restarted, " duplicate ")
+                result.effects["downstream_duplicates"] = sum(
+                    _count_lines(p, " duplicate ") for p in runner.procs
+                    if p.name.startswith("consume-ready"))
                 if owner == "worker":
                     result.effects["redelivered_skips"] = _count_lines(
                         restarted, "-> skipped:duplicate")
@@ -430,7 +445,7 @@ def run_point(base: Settings, fault: str, *, jobs: int, logdir: Path,
             stop(runner.procs)
             result.seconds = time.monotonic() - t0
             if result.violations:
-                result.violations.append("log tails:\n" + runner.tail())
+                result.log_tails = runner.tail()
     return result
 
 

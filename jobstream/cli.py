@@ -172,21 +172,26 @@ def chaos(points: str | None, jobs: int, keep: bool) -> None:
     logging.getLogger().setLevel(logging.WARNING)
 
     def show(res: chaos_mod.PointResult) -> None:
-        console.print(("[green]" if res.ok else "[red]") + res.report().split("\nlog tails")[0]
-                      + "[/]", highlight=False, markup=True)
+        console.print(res.report(), style="green" if res.ok else "red", highlight=False,
+                      markup=False)
 
     results = chaos_mod.run_matrix(get_settings(), faults, jobs=jobs, workdir=root / "chaos",
                                    keep=keep, on_result=show)
     t = Table(title=f"crash matrix, {jobs} jobs per point")
     for c in ("fault", "process", "killed", "seconds", "provider calls", "re-published",
               "retaken stages", "result"):
-        t.add_column(c)
+        t.add_column(c, overflow="fold")
     for r in results:
         e = r.effects
         t.add_row(r.fault, r.owner, str(r.killed_rc), f"{r.seconds:.0f}",
                   str(e.get("provider_calls", "-")), str(e.get("republished", "-")),
                   str(e.get("retaken_stages", "-")), "PASS" if r.ok else "FAIL")
     console.print(t)
+    for r in results:
+        if not r.ok or keep:
+            run = r.logdir.name if r.logdir else "?"
+            console.print(f"{r.fault}: kept database {run} and topic prefix {run}. "
+                          f"(logs in {r.logdir})", highlight=False)
     sys.exit(0 if all(r.ok for r in results) else 1)
 
 

@@ -24,7 +24,7 @@ def test_crash_at_fault_point_keeps_effects_exactly_once(settings: Settings, tmp
                                                          fault: str) -> None:
     result = chaos.run_point(settings, fault, jobs=5, logdir=tmp_path / "run", timeout_s=120)
     print(result.report())
-    assert result.ok, result.report()
+    assert result.ok, result.report(tails=True)
     # The crash had the effect the point is about (else the case proves nothing).
     effects = result.effects
     if result.owner == "relay":

@@ -333,6 +333,7 @@ class _Runner:
         logdir.mkdir(parents=True, exist_ok=True)
 
     def start(self, command: str, *, fault: str | None = None) -> Proc:
+        """Start ``jobstream <command>``, with ``fault`` armed in it if given."""
         env = {**self.env, **({"JOBSTREAM_FAULT": fault} if fault else {})}
         # The downstream logs each outcome (applied/duplicate) at debug level.
         args = ["--log-level", "debug", command] if command == "consume-ready" else [command]
@@ -341,9 +342,11 @@ class _Runner:
         return p
 
     def dead(self, *, besides: Proc | None = None) -> list[Proc]:
+        """The processes that exited (other than ``besides``)."""
         return [p for p in self.procs if p is not besides and p.popen.poll() is not None]
 
     def tail(self) -> str:
+        """The end of every process log, for a failure report."""
         return "\n".join(f"--- {p.name} rc={p.popen.poll()}\n"
                          + p.log.read_text(errors="replace")[-2000:] for p in self.procs)
 
@@ -399,19 +402,16 @@ def run_point(base: Settings, fault: str, *, jobs: int, logdir: Path,
             submit(settings, [uploaded_event(d, tenant_id=tenant, idempotency_key=k,
                                              settings=settings, model_profile="custom")
                               for d, k in zip(docs, keys, strict=True)])
-            finished_first = []
-
-            def fired() -> bool:
+            def fired() -> str | None:
                 if armed.popen.poll() is not None or runner.dead(besides=armed):
-                    return True
-                # Every job done and the point not reached: its hit N is beyond this batch.
-                if quiescent(settings, tenant, jobs) and armed.popen.poll() is None:
-                    finished_first.append(True)
-                return bool(finished_first)
-            if not _wait(fired, timeout_s, every_s=1.0) or finished_first:
+                    return "exited"
+                # Every job done and the point never reached: its hit N is beyond the batch.
+                return "finished" if quiescent(settings, tenant, jobs) else None
+            outcome = _wait(fired, timeout_s, every_s=1.0)
+            if outcome != "exited":
                 result.violations.append(
                     f"{fault} never fired " + ("before every job had finished (is N beyond "
-                                               "this batch?)" if finished_first
+                                               "this batch?)" if outcome == "finished"
                                                else f"within {timeout_s:.0f}s"))
                 return result
             if others := runner.dead(besides=armed):

@@ -180,7 +180,7 @@ def chaos(points: str | None, jobs: int, keep: bool) -> None:
     t = Table(title=f"crash matrix, {jobs} jobs per point")
     for c in ("fault", "process", "killed", "seconds", "provider calls", "re-published",
               "retaken stages", "result"):
-        t.add_column(c, overflow="fold")
+        t.add_column(c, no_wrap=c == "fault")
     for r in results:
         e = r.effects
         t.add_row(r.fault, r.owner, str(r.killed_rc), f"{r.seconds:.0f}",

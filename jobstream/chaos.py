@@ -18,6 +18,7 @@ database; the command runs :func:`run_matrix`, which makes a scratch database pe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -485,8 +486,14 @@ def run_matrix(settings: Settings, faults: list[str], *, jobs: int, workdir: Pat
                                         "relay_poll_interval_s": 0.2,
                                         "consumer_session_timeout_ms": 6000,
                                         "provider_backoff_base_s": 0.05})
-        ensure_topics(s)
-        res = run_point(s, fault, jobs=jobs, logdir=workdir / run)
+        try:
+            ensure_topics(s)
+            res = run_point(s, fault, jobs=jobs, logdir=workdir / run)
+        except BaseException:  # interrupted (Ctrl-C, SIGTERM) or the services failed
+            with contextlib.suppress(Exception):
+                drop_database(settings.database_url, run)
+                delete_topics(s)
+            raise
         results.append(res)
         if on_result:
             on_result(res)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -170,6 +171,9 @@ def chaos(points: str | None, jobs: int, keep: bool) -> None:
     console = Console(width=max(120, Console().width))
     root = Path(os.environ.get("JOBSTREAM_HOME", Path(__file__).resolve().parents[1] / ".local"))
     logging.getLogger().setLevel(logging.WARNING)
+    # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the run's child processes, which
+    # live in their own sessions, are stopped rather than orphaned.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     def show(res: chaos_mod.PointResult) -> None:
         console.print(res.report(), style="green" if res.ok else "red", highlight=False,

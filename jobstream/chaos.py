@@ -164,8 +164,8 @@ class PointResult:
 # ------------------------------------------------------------------------------ invariants
 
 def check_invariants(settings: Settings, *, tenant: str, keys: list[str],
-                     calls_by_key: dict[str, int], worker_killed: bool,
-                     strict_calls: bool = True) -> tuple[list[str], dict[str, int]]:
+                     calls_by_key: dict[str, int],
+                     worker_killed: bool) -> tuple[list[str], dict[str, int]]:
     """Check the exactly-once invariants of a finished run; returns ``(violations, effects)``.
 
     - every submitted intent has a job in exactly one terminal state (succeeded: the fake
@@ -177,8 +177,9 @@ def check_invariants(settings: Settings, *, tenant: str, keys: list[str],
     - per (job, chunk) exactly one ``succeeded`` provider attempt, the one whose output the
       chunk holds; any other attempt failed, or is ``started`` by a run that never finished
       (allowed only when ``worker_killed``); the fake provider's count for the Idempotency-Key
-      ``<job_id>:<chunk_idx>`` equals the attempt rows (``strict_calls``; otherwise it may be
-      lower by the ``started`` rows whose request a kill stopped before it was sent);
+      ``<job_id>:<chunk_idx>`` agrees with the attempt rows: at most one call per row (every
+      request is logged before it is sent) and at least one per finished row (a ``started``
+      row of a killed run may or may not have been sent: a kill can land between the two);
     - a finished stage is never run again: no stage was claimed twice unless the worker was
       killed (then at most twice), and no provider attempt started after ``llm_done`` finished.
 
@@ -306,8 +307,7 @@ def check_invariants(settings: Settings, *, tenant: str, keys: list[str],
             if a["outcome"] not in ("succeeded", "started", *FAILED_OUTCOMES):
                 v.append(f"{where}: attempt {a['attempt_id']} has outcome {a['outcome']}")
         calls = calls_by_key.get(f"{jid}:{idx}", 0)
-        low = len(tries) if strict_calls else len(tries) - len(started)
-        if not low <= calls <= len(tries):
+        if not len(tries) - len(started) <= calls <= len(tries):
             v.append(f"{where}: the provider saw {calls} calls, provider_attempt has "
                      f"{len(tries)} rows ({len(started)} started)")
         llm = stage_of.get((jid, "llm_done"))

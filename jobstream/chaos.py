@@ -121,7 +121,7 @@ def make_documents(folder: Path, run_id: str, n: int, paragraphs: int = 5) -> li
         rng = random.Random(f"{run_id}:{i}")
         paras = []
         for _ in range(paragraphs):
-            sentences = []
+            sentences: list[str] = []
             while sum(len(s) + 1 for s in sentences) < 300:
                 words = rng.choices(_WORDS, k=rng.randint(7, 12))
                 sentences.append(" ".join(words).capitalize() + ".")
@@ -242,7 +242,7 @@ def check_invariants(settings: Settings, *, tenant: str, keys: list[str],
     topics = [settings.topic(t) for t in (*JOB_EVENTS, "job.failed")]
     on_topic: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
     for m in read_to_end(settings, topics):
-        ev = json.loads(m.value())
+        ev = json.loads(m.value() or b"{}")
         if ev.get("tenant_id") == tenant:
             on_topic[(ev["job_id"], ev["event_type"])][ev["event_id"]] += 1
     for jid in job_ids:

@@ -121,14 +121,15 @@ def read_to_end(settings: Settings, topics: list[str], timeout_s: float = 30.0) 
             m = c.poll(0.5)
             if m is None:
                 continue
-            if m.error():
-                if m.error().code() == KafkaError._PARTITION_EOF:
+            err = m.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
                     continue
-                raise KafkaException(m.error())
-            tp = (m.topic(), m.partition())
-            if tp in ends and m.offset() < ends[tp]:
+                raise KafkaException(err)
+            tp, offset = (m.topic() or "", m.partition() or 0), m.offset() or 0
+            if tp in ends and offset < ends[tp]:
                 out.append(m)
-            if tp in ends and m.offset() >= ends[tp] - 1:
+            if tp in ends and offset >= ends[tp] - 1:
                 todo.discard(tp)
         if todo:
             raise RuntimeError(f"could not read {sorted(todo)} to their end offsets")

@@ -2,9 +2,13 @@
 
 Armed by ``JOBSTREAM_FAULT=<point>[,<point>…]`` (optionally ``<point>@N`` to fire on the N-th
 hit); with the variable unset every call is a no-op. SIGKILL, not an exception: nothing gets a
-chance to clean up, exactly like ``kill -9`` or an OOM kill.
+chance to clean up, exactly like ``kill -9`` or an OOM kill. ``<point>[@N]=stop`` sends SIGSTOP
+instead: the process freezes there (a long GC pause, a stalled VM) until someone sends SIGCONT,
+which is how tests let a lease expire under a run that is still alive.
 
-Points: ``llm_after_provider_before_checkpoint``, ``stage_after_commit_before_offset``,
+Points: ``llm_chunk_answered_before_save`` (a chunk's answer arrived, its output is not saved
+yet), ``llm_after_provider_before_checkpoint`` (every chunk answered and saved, the ``llm_done``
+checkpoint not written yet), ``stage_after_commit_before_offset``,
 ``relay_after_produce_before_mark`` (also ``relay_after_produce_before_mark:<event_type>``, hit
 once per event type in the batch), ``consumer_after_apply_before_offset``.
 """
@@ -17,6 +21,7 @@ import sys
 from collections import Counter
 
 POINTS = (
+    "llm_chunk_answered_before_save",
     "llm_after_provider_before_checkpoint",
     "stage_after_commit_before_offset",
     "relay_after_produce_before_mark",
@@ -26,13 +31,18 @@ _hits: Counter[str] = Counter()
 
 
 def point(name: str) -> None:
-    """SIGKILL this process if ``name`` is armed (and this is its N-th hit); else return."""
+    """SIGKILL (or SIGSTOP) this process if ``name`` is armed and this is its N-th hit; else
+    return. Raises ``ValueError`` for an action other than ``kill`` or ``stop``."""
     spec = os.environ.get("JOBSTREAM_FAULT")
     if not spec:
         return
     _hits[name] += 1
     for item in spec.split(","):
-        armed, _, nth = item.strip().partition("@")
+        armed, _, action = item.strip().partition("=")
+        armed, _, nth = armed.partition("@")
         if armed == name and _hits[name] == int(nth or 1):
-            print(f"[fault] {name}: SIGKILL pid {os.getpid()}", file=sys.stderr, flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+            if action not in ("", "kill", "stop"):
+                raise ValueError(f"JOBSTREAM_FAULT action {action!r}: use kill or stop")
+            sig = signal.SIGSTOP if action == "stop" else signal.SIGKILL
+            print(f"[fault] {name}: {sig.name} pid {os.getpid()}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), sig)

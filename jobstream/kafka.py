@@ -11,7 +11,7 @@ import contextlib
 import time
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from jobstream.settings import Settings
@@ -113,3 +113,62 @@ def delete_topics(settings: Settings, timeout_s: float = 30.0) -> list[str]:
         with contextlib.suppress(KafkaException):
             fut.result(timeout=timeout_s)
     return names
+
+
+def read_to_end(settings: Settings, topics: list[str], timeout_s: float = 30.0) -> list[Message]:
+    """Every message of ``topics`` (full names) up to their end offsets at call time, read
+    with a throwaway, never-committing consumer that joins no group.
+
+    Raises ``RuntimeError`` when a partition cannot be read to its end within ``timeout_s``.
+    """
+    c = Consumer({**base_config(settings), "group.id": f"jobstream-reader-{time.time_ns()}",
+                  "enable.auto.commit": False, "auto.offset.reset": "earliest"})
+    try:
+        ends: dict[tuple[str, int], int] = {}
+        starts: list[TopicPartition] = []
+        for topic in topics:
+            for p in c.list_topics(topic, timeout=10).topics[topic].partitions:
+                lo, hi = c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+                if hi > lo:
+                    ends[(topic, p)] = hi
+                    starts.append(TopicPartition(topic, p, lo))
+        if not starts:
+            return []
+        c.assign(starts)
+        todo, out = set(ends), []
+        deadline = time.monotonic() + timeout_s
+        while todo and time.monotonic() < deadline:
+            m = c.poll(0.5)
+            if m is None:
+                continue
+            err = m.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    continue
+                raise KafkaException(err)
+            tp, offset = (m.topic() or "", m.partition() or 0), m.offset() or 0
+            if tp in ends and offset < ends[tp]:
+                out.append(m)
+            if tp in ends and offset >= ends[tp] - 1:
+                todo.discard(tp)
+        if todo:
+            raise RuntimeError(f"could not read {sorted(todo)} to their end offsets")
+        return out
+    finally:
+        c.close()
+
+
+def group_lag(settings: Settings, group: str, topics: list[str]) -> int:
+    """Messages of ``topics`` (full names) that consumer group ``group`` has not committed
+    yet (0 = the group has processed and committed everything there is). Joins no group."""
+    c = Consumer({**base_config(settings), "group.id": group, "enable.auto.commit": False})
+    try:
+        tps = [TopicPartition(t, p) for t in topics
+               for p in c.list_topics(t, timeout=10).topics[t].partitions]
+        lag = 0
+        for tp in c.committed(tps, timeout=10):
+            lo, hi = c.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), timeout=10)
+            lag += max(0, hi - max(tp.offset, lo))
+        return lag
+    finally:
+        c.close()

@@ -370,6 +370,7 @@ def _one_attempt(ctx: StageContext, claim: Claim, client: ProviderClient, profil
                                  status_code=_status_of(exc))
         raise
     cost = profile.cost_usd(done.prompt_tokens, done.completion_tokens)
+    faults.point("llm_chunk_answered_before_save")
     # The attempt's success and the chunk's output in ONE transaction: a crash between two
     # would leave an answered chunk without output, and the retry would pay for it again.
     ctx.store.succeed_chunk_attempt(claim, attempt_id, idx=chunk["idx"], output=done.content,
@@ -391,18 +392,18 @@ def _llm(ctx: StageContext, claim: Claim, ev: Any) -> StageResult:
     chunks = ctx.store.chunks(job["job_id"])
     if not chunks:
         raise RetryableError("chunks not visible yet", code="not_ready")
-    calls = 0
     for ch in chunks:
         if ch["llm_output"] is not None:
             continue  # answered in an earlier run of this stage: never paid for twice
         if ctx.store.cancel_requested(job["job_id"]):
             raise JobCancelled("cancelled before the next provider call")
         _call_provider(ctx, claim, profile, prompt, ch)  # stores the chunk's output
-        calls += 1
     faults.point("llm_after_provider_before_checkpoint")
     outputs = [c["llm_output"] for c in ctx.store.chunks(job["job_id"])]
     if any(o is None for o in outputs):
         raise StaleRun("a chunk lost its output: a newer run owns the stage")
+    # Every run's attempts: a run that resumes after a crash reports what the stage cost,
+    # not only its own (possibly zero) calls.
     cost, attempts = ctx.store.stage_provider_cost(job["job_id"], "llm_done")
     digest = sha256_hex(canonical_json(outputs))
     return StageResult(
@@ -411,7 +412,7 @@ def _llm(ctx: StageContext, claim: Claim, ev: Any) -> StageResult:
         input_hash=sha256_hex(canonical_json([c["text_sha256"] for c in chunks])),
         code_version=ctx.code_version("llm_done"), cost_usd=cost,
         payload=LlmDonePayload(chunk_count=len(outputs), output_sha256=digest,
-                               provider_calls=calls, reused=calls == 0, cost_usd=cost))
+                               provider_calls=attempts, reused=attempts == 0, cost_usd=cost))
 
 
 class ChunkAnalysis(BaseModel):

@@ -116,7 +116,8 @@ class LlmDonePayload(_Frozen):
 
     chunk_count: int = Field(ge=1)
     output_sha256: Sha256Hex
-    provider_calls: int = Field(ge=0, description="Provider calls this stage made (0 if reused).")
+    provider_calls: int = Field(ge=0, description="Provider attempts of this stage, over all "
+                                "its runs (0 if reused).")
     reused: bool
     cost_usd: float = Field(ge=0, description="Provider cost of this stage (USD).")
 

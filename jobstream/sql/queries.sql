@@ -575,3 +575,41 @@ DELETE FROM job_request WHERE (tenant_id, idempotency_key) IN (
        AND j.status IN ('succeeded', 'failed', 'cancelled')
        AND j.finished_at < now() - make_interval(secs => %(horizon_s)s)
      ORDER BY r.created_at LIMIT %(limit)s);
+
+-- ---------------------------------------------------------------- invariants (jobstream chaos)
+
+-- name: inv_jobs
+-- Every intent of a tenant and the job it maps to.
+SELECT r.idempotency_key, j.job_id, j.status, j.dedup_key, j.current_stage, j.error_code
+  FROM job_request r JOIN job j USING (job_id)
+ WHERE r.tenant_id = %s ORDER BY r.idempotency_key;
+
+-- name: inv_stages
+SELECT s.job_id, s.stage, s.status, s.attempt, s.run_token, s.finished_at
+  FROM job_stage s JOIN job j USING (job_id) WHERE j.tenant_id = %s;
+
+-- name: inv_chunks
+SELECT c.job_id, c.idx, c.llm_output IS NOT NULL AS answered, c.llm_attempt_id
+  FROM chunk c JOIN job j USING (job_id) WHERE j.tenant_id = %s;
+
+-- name: inv_attempts
+SELECT a.attempt_id, a.job_id, a.stage, a.chunk_idx, a.attempt, a.run_token, a.outcome,
+       a.started_at
+  FROM provider_attempt a JOIN job j USING (job_id) WHERE j.tenant_id = %s;
+
+-- name: inv_outbox
+-- The outbox rows of a tenant's jobs (the Kafka key is the job id).
+SELECT o.id, o.event_id, o.event_type, o.kafka_key, o.published_at IS NOT NULL AS published
+  FROM outbox o JOIN job j ON o.kafka_key = j.job_id::text WHERE j.tenant_id = %s;
+
+-- name: inv_processed
+SELECT p.consumer_group, p.dedup_key, p.event_type, p.event_id, p.job_id
+  FROM processed_event p JOIN job j USING (job_id) WHERE j.tenant_id = %s;
+
+-- name: inv_analyses
+SELECT dedup_key, count(*) AS n FROM downstream.document_analysis
+ WHERE tenant_id = %s GROUP BY dedup_key;
+
+-- name: inv_charges
+SELECT dedup_key, count(*) AS n FROM downstream.ledger_charge
+ WHERE tenant_id = %s GROUP BY dedup_key;

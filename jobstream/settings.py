@@ -102,7 +102,9 @@ class Settings(BaseSettings):
         5, ge=1, description="Runs of one stage before the sweeper fails a stuck job."
     )
     sweep_grace_s: float = Field(
-        30.0, ge=0, description="Sweeper: re-drive stages whose lease expired this long ago."
+        300.0, ge=0, description="Sweeper: re-drive stages whose lease expired this long ago "
+        "(seconds). Kafka redelivery recovers a crashed run within a session timeout plus a "
+        "lease; the sweeper is the backstop for runs nothing will redeliver."
     )
     llm_concurrency: int = Field(
         4, ge=1, description="Chunk-stage events one worker's LLM agent runs at once."

@@ -31,6 +31,8 @@ def race(settings: Settings, tmp_path: Path):
         s = chaos.chaos_settings(settings, fake.base_url)
         runner = ProcessRunner(s, tmp_path / "logs")
         env = {k: v for k, v in chaos.settings_env(s).items() if k.startswith("JOBSTREAM_")}
+        # One LLM stage at a time per worker, so "the stage A holds" is one row.
+        env["JOBSTREAM_LLM_CONCURRENCY"] = "1"
         yield s, runner, env, fake, tmp_path
         for p in runner.procs:  # a frozen process must wake up to hear SIGTERM
             if p.popen.poll() is None:

@@ -1,0 +1,60 @@
+"""Running two copies of the relay and of the stage workers is safe and shares the work."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from jobstream.producer import submit, uploaded_event
+from jobstream.settings import Settings
+from tests.helpers import ProcessRunner, query, read_topic, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def _docs(tmp_path: Path, n: int) -> list[Path]:
+    out = []
+    for i in range(n):
+        p = tmp_path / f"d{i}.txt"
+        p.write_text(f"Paper {i} on subject {i * 13}. " + "A sentence with words. " * 300)
+        out.append(p)
+    return out
+
+
+def test_two_relays_one_active_the_standby_takes_over_after_kill_9(
+        settings: Settings, procs: ProcessRunner, tmp_path: Path) -> None:
+    env = {"JOBSTREAM_CHUNK_SIZE_CHARS": "500"}
+    r1 = procs.start("relay", name="relay-1", **env)
+    time.sleep(1.5)  # let relay-1 take the active lock first
+    r2 = procs.start("relay", name="relay-2", **env)
+    procs.start("worker", **env)
+    procs.start("worker", name="worker-2", **env)  # two workers share the partitions
+    procs.start("consume-ready", **env)
+    docs = _docs(tmp_path, 12)
+    submit(settings, [uploaded_event(d, tenant_id="acme", idempotency_key=d.name,
+                                     settings=settings) for d in docs])
+    wait_for(lambda: query(settings.database_url, "SELECT count(*) AS n FROM job WHERE "
+                           "status = 'succeeded'")[0]["n"] >= 3, 120, "some jobs", procs.logs)
+    active = r1 if "relay active" in r1.log_text() else r2
+    standby = r2 if active is r1 else r1
+    assert "standing by" in standby.log_text()
+    procs.kill9(active)
+
+    wait_for(lambda: query(settings.database_url, "SELECT count(*) AS n FROM job WHERE "
+                           "status = 'succeeded'")[0]["n"] == 12, 180, "every job", procs.logs)
+    assert "relay active" in standby.log_text()  # the standby took over
+    wait_for(lambda: query(settings.database_url, "SELECT count(*) AS n FROM outbox "
+                           "WHERE published_at IS NULL")[0]["n"] == 0, 30, "outbox drained")
+    ready = read_topic(settings, settings.topic("job.ready"))
+    per_job = Counter(json.loads(m.value())["job_id"] for m in ready)
+    assert len(per_job) == 12
+    time.sleep(2)
+    applied = query(settings.database_url, "SELECT dedup_key, count(*) AS n FROM "
+                    "downstream.document_analysis GROUP BY dedup_key")
+    assert len(applied) == 12 and all(a["n"] == 1 for a in applied)
+    logs = {p.name: p.log_text() for p in procs.procs}
+    assert " -> done" in logs["worker"] and " -> done" in logs["worker-2"]  # work was shared

@@ -153,9 +153,11 @@ def run_plain(settings: Settings, topic: str, n: int, decode: bool) -> dict[str,
     return {"events_per_s": round(n / (last - first)), "elapsed_s": round(last - first, 3)}
 
 
-def run_idempotent(settings: Settings, n: int) -> dict[str, Any]:
+def run_idempotent(settings: Settings, n: int, max_batch: int | None) -> dict[str, Any]:
     """The ready applier over the scenario's topic until every offset is stored."""
     consumer = build(settings)
+    if max_batch is not None:
+        consumer.max_batch = max_batch
     timed = TimedConsumer(consumer._consumer)
     consumer._consumer = timed  # type: ignore[assignment]
     t = threading.Thread(target=consumer.run, daemon=True)
@@ -188,7 +190,7 @@ def count_effects(url: str, tenant: str) -> dict[str, int]:
             "charge_keys": c["d"]}
 
 
-def scenario(base: Settings, n: int, dup_pct: float) -> dict[str, Any]:
+def scenario(base: Settings, n: int, dup_pct: float, max_batch: int | None) -> dict[str, Any]:
     s = base.model_copy(update={"topic_prefix": f"{base.topic_prefix}d{int(dup_pct)}."})
     topic = s.topic("job.ready")
     create_topics(s, [topic, topic + ".dlq"], partitions=s.topic_partitions)
@@ -199,7 +201,7 @@ def scenario(base: Settings, n: int, dup_pct: float) -> dict[str, Any]:
     log(f"dups {dup_pct}%: raw {raw['events_per_s']}/s")
     dec = run_plain(s, topic, n, decode=True)
     log(f"dups {dup_pct}%: decode {dec['events_per_s']}/s")
-    idem = run_idempotent(s, n)
+    idem = run_idempotent(s, n, max_batch)
     log(f"dups {dup_pct}%: idempotent {idem['events_per_s']}/s")
     effects = count_effects(s.database_url, tenant)
     ok = (effects["analysis_rows"] == effects["analysis_keys"] == produced["unique"]
@@ -234,6 +236,8 @@ def main() -> None:
     p = base_parser(__doc__.split("\n", 1)[0])
     p.add_argument("--n", type=float, default=1e4, help="messages per scenario")
     p.add_argument("--dups", default="0,30", help="duplicate percentages, comma-separated")
+    p.add_argument("--max-batch", type=int,
+                   help="override IdempotentConsumer.max_batch (1 = a transaction per message)")
     args = p.parse_args()
     args.n = int(args.n)
     result: dict[str, Any] = {"benchmark": "consumer", "machine": machine(),
@@ -241,7 +245,7 @@ def main() -> None:
                               "scenarios": []}
     with isolated(args, "cons") as s:
         for d in [float(x) for x in args.dups.split(",") if x.strip()]:
-            result["scenarios"].append(scenario(s, args.n, d))
+            result["scenarios"].append(scenario(s, args.n, d, args.max_batch))
     result["machine"]["loadavg_after"] = list(__import__("os").getloadavg())
     result["targets_met"] = {
         f"apply>=10000/s_at_{sc['dup_pct']:.0f}%_dups": sc["idempotent_apply"]["events_per_s"]

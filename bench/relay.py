@@ -3,7 +3,7 @@
 Scenarios, all in one run against the same broker and a fresh database:
 
 * ``drain_1_relay``: ``--n`` outbox rows are committed by ``--writers`` concurrent writer
-  threads (``Store.add_outbox`` inside their own transactions, ``--rows-per-tx`` rows each),
+  processes (``Store.add_outbox`` inside their own transactions, ``--rows-per-tx`` rows each),
   then one ``jobstream relay`` process publishes the backlog. Throughput = rows / (time the
   last row was marked published - broker time of the first message).
 * ``raw_producer``: the same messages (topic, key, value, headers read back from the outbox)
@@ -13,15 +13,20 @@ Scenarios, all in one run against the same broker and a fresh database:
 * ``drain_2_relays``: the same with two relay processes. By design one holds the advisory lock
   and publishes, the other stands by: the throughput is one relay's, not two.
 * ``latency_1k``: writers commit at a fixed offered load (``--rate``, default 1000 events/s,
-  for ``--seconds``) while one relay runs. Latency = broker append time of the message
-  (topics use ``message.timestamp.type=LogAppendTime``) - wall time right after the writer's
-  ``COMMIT`` returned, per event. ``raw_latency_1k`` is the same offered load through a raw
-  producer: broker append time - ``produce()`` call time.
+  for ``--seconds``, one row per transaction) while one relay runs. ``commit_to_kafka`` =
+  broker append time of the message (topics use ``message.timestamp.type=LogAppendTime``,
+  millisecond resolution) - the row's ``created_at`` (``clock_timestamp()`` at the INSERT,
+  just before the COMMIT: an upper bound that also counts a writer descheduled between its
+  INSERT and COMMIT). ``commit_returned_to_kafka`` uses the wall time right after the writer's
+  COMMIT returned instead (a lower bound: it can even be negative when the writer process was
+  descheduled after the commit). ``raw_produce_to_kafka`` is the same offered load through a
+  raw producer: broker append time - ``produce()`` call time.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import threading
 import time
 import uuid
@@ -63,54 +68,59 @@ def make_message(topic: str) -> OutboxMessage:
     return outbox_message(topic, ev)
 
 
+def _writer(url: str, topic: str, count: int, rows_per_tx: int, interval: float,
+            start_at: float, offset: float) -> dict[str, float]:
+    """One writer: ``count`` outbox rows, ``rows_per_tx`` per transaction, one transaction
+    every ``interval`` seconds from wall time ``start_at + offset`` (0: as fast as it goes).
+    Returns event id -> wall time right after its COMMIT returned."""
+    msgs = [make_message(topic) for _ in range(count)]  # built before the clock starts
+    mine: dict[str, float] = {}
+    with connect(url) as conn:
+        delay = start_at - time.time()
+        if delay > 0:
+            time.sleep(delay)
+        t0 = time.monotonic()
+        done = k = 0
+        while done < count:
+            if interval:
+                wait = t0 + offset + k * interval - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+            batch = msgs[done:done + rows_per_tx]
+            with conn.transaction():
+                for m in batch:
+                    Store.add_outbox(conn, m)
+            now = time.time()
+            for m in batch:
+                mine[m.headers["event_id"]] = now
+            done += len(batch)
+            k += 1
+    return mine
+
+
+def _writer_proc(args: tuple[Any, ...]) -> dict[str, float]:
+    return _writer(*args)
+
+
 def write_outbox(url: str, topic: str, n: int, *, writers: int, rows_per_tx: int,
                  rate: float | None = None) -> dict[str, Any]:
-    """Commit ``n`` outbox rows from ``writers`` threads; with ``rate`` (events/s, all writers
-    together) paced, else as fast as they go. Returns the commit time (wall clock, seconds) of
-    every event id and the writers' elapsed time."""
-    committed: dict[str, float] = {}
-    lock = threading.Lock()
+    """Commit ``n`` outbox rows from ``writers`` concurrent writer processes (their own
+    connections and transactions; processes, so the GIL of one does not pace the others);
+    with ``rate`` (events/s, all writers together) paced and staggered, else as fast as they
+    go. Returns the commit time (wall clock) of every event id and the writers' elapsed time
+    (first commit .. last commit)."""
     share = [n // writers + (1 if i < n % writers else 0) for i in range(writers)]
-    t0 = time.monotonic() + 0.05
-    errors: list[BaseException] = []
-
-    def writer(i: int) -> None:
-        try:
-            mine: dict[str, float] = {}
-            done = 0
-            interval = writers * rows_per_tx / rate if rate else 0.0
-            with connect(url) as conn:
-                k = 0
-                while done < share[i]:
-                    if rate:
-                        due = t0 + (i / writers + k) * interval
-                        delay = due - time.monotonic()
-                        if delay > 0:
-                            time.sleep(delay)
-                    batch = [make_message(topic) for _ in range(min(rows_per_tx,
-                                                                    share[i] - done))]
-                    with conn.transaction():
-                        for m in batch:
-                            Store.add_outbox(conn, m)
-                    now = time.time()
-                    for m in batch:
-                        mine[m.headers["event_id"]] = now
-                    done += len(batch)
-                    k += 1
-            with lock:
-                committed.update(mine)
-        except BaseException as exc:  # reported by the caller
-            errors.append(exc)
-
-    threads = [threading.Thread(target=writer, args=(i,)) for i in range(writers)]
-    start = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return {"committed": committed, "elapsed_s": time.monotonic() - start}
+    interval = writers * rows_per_tx / rate if rate else 0.0
+    start_at = time.time() + 1.0 + n / 50_000  # time for the children to build their messages
+    jobs = [(url, topic, share[i], rows_per_tx, interval, start_at, i * interval / writers)
+            for i in range(writers) if share[i]]
+    with mp.get_context("fork").Pool(len(jobs)) as pool:
+        parts = pool.map(_writer_proc, jobs)
+    committed: dict[str, float] = {}
+    for part in parts:
+        committed.update(part)
+    times = committed.values()
+    return {"committed": committed, "elapsed_s": max(max(times) - min(times), 1e-3)}
 
 
 class Collector(threading.Thread):
@@ -150,6 +160,14 @@ class Collector(threading.Thread):
         self.join(timeout_s)
         self._halt.set()
         self.join(5)
+
+
+def created_at(url: str, topic: str) -> dict[str, float]:
+    """event id -> the row's created_at (wall clock seconds) for the rows of ``topic``."""
+    with connect(url) as conn:
+        rows = conn.execute("SELECT event_id::text AS e, extract(epoch FROM created_at) AS t "
+                            "FROM outbox WHERE topic = %s", (topic,)).fetchall()
+    return {r["e"]: float(r["t"]) for r in rows}
 
 
 def unpublished(url: str) -> int:
@@ -203,7 +221,7 @@ def drain(settings: Settings, args: argparse.Namespace, logdir: Path, label: str
         "drain_s": round(t_drained - first, 3),
         "messages_on_topic": col.copies,
         "relays_that_stood_by": sum("standing by" in t for t in logs),
-        "writers": {"threads": args.writers, "rows_per_tx": args.rows_per_tx,
+        "writers": {"processes": args.writers, "rows_per_tx": args.rows_per_tx,
                     "commit_rate_per_s": round(args.n / w["elapsed_s"])},
         "_topic": topic,
     }
@@ -291,7 +309,9 @@ def latency(settings: Settings, args: argparse.Namespace, logdir: Path) -> dict[
         col.wait(60)
     finally:
         stop([relay])
-    lat = [col.seen[e] - c * 1000 for e, c in w["committed"].items() if e in col.seen]
+    created = created_at(settings.database_url, topic)
+    lat = [col.seen[e] - c * 1000 for e, c in created.items() if e in col.seen]
+    lat_commit = [col.seen[e] - c * 1000 for e, c in w["committed"].items() if e in col.seen]
     achieved = n / w["elapsed_s"]
     # Raw baseline at the same offered load: produce() call -> broker append time.
     raw_topic = settings.topic("bench.raw_latency")
@@ -304,10 +324,11 @@ def latency(settings: Settings, args: argparse.Namespace, logdir: Path) -> dict[
     rcol.wait(60)
     raw_lat = [rcol.seen[e] - t * 1000 for e, t in r["sent"].items() if e in rcol.seen]
     return {
-        "offered_events_per_s": args.rate, "writer_threads": args.latency_writers,
+        "offered_events_per_s": args.rate, "writer_processes": args.latency_writers,
         "achieved_commit_rate_per_s": round(achieved),
         "events": n, "received": len(lat),
         "commit_to_kafka": latency_summary(lat),
+        "commit_returned_to_kafka": latency_summary(lat_commit),
         "raw_produce_to_kafka": latency_summary(raw_lat),
         "_lat": lat, "_raw_lat": raw_lat,
     }
@@ -342,10 +363,10 @@ def plot(result: dict[str, Any], path: str) -> None:
 def main() -> None:
     p = base_parser(__doc__.split("\n", 1)[0])
     p.add_argument("--n", type=float, default=1e4, help="rows per drain (1e4..1e6)")
-    p.add_argument("--writers", type=int, default=4, help="concurrent writer threads")
+    p.add_argument("--writers", type=int, default=4, help="concurrent writer processes")
     p.add_argument("--rows-per-tx", type=int, default=1, help="outbox rows per transaction")
-    p.add_argument("--latency-writers", type=int, default=16,
-                   help="writer threads of the latency run (one row per transaction)")
+    p.add_argument("--latency-writers", type=int, default=4,
+                   help="writer processes of the latency run (one row per transaction)")
     p.add_argument("--rate", type=float, default=1000.0, help="offered load for latency")
     p.add_argument("--seconds", type=float, default=10.0, help="duration of the latency run")
     p.add_argument("--relay-batch-size", type=int, help="override relay_batch_size")

@@ -266,6 +266,11 @@ VALUES (%s, %s, %s, %s, %s, %s);
 SELECT id, topic, kafka_key, payload, headers, event_type FROM outbox
  WHERE published_at IS NULL ORDER BY id LIMIT %s;
 
+-- name: relay_mark_async_commit
+-- The mark's transaction commits without waiting for the WAL flush: losing it in a crash
+-- only re-publishes rows already delivered (at-least-once; consumers are idempotent).
+SET LOCAL synchronous_commit TO off;
+
 -- name: outbox_mark_published
 UPDATE outbox SET published_at = now() WHERE id = ANY(%s);
 

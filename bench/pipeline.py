@@ -14,7 +14,9 @@ Reported:
 * ``hops``: for each event of the chain, medians (and p90) of the three legs, from the
   rows' timestamps: ``relay`` (the outbox row's insert -> marked published, i.e. after the
   broker's ack), ``pickup`` (published -> the next stage claimed it: Kafka fetch, faust, the
-  claim transaction) and ``work`` (claimed -> the completion transaction began);
+  claim transaction, and the wait behind earlier jobs of the burst) and ``work`` (claimed ->
+  the completion transaction began); ``hops_idle``: the same for the two warm-up jobs, which
+  run on an idle pipeline (no queueing);
 * ``where_the_time_goes``: Postgres transactions per job (``pg_stat_database.xact_commit``
   of the run's database), Kafka messages per job, and the CPU seconds per job of each of our
   processes (workers, relay, downstream) read from ``/proc``.
@@ -209,6 +211,8 @@ def run_workers(args: Any, workers: int) -> dict[str, Any]:
             assert r is not None and kafka_msgs is not None
             hops = hop_breakdown(s.database_url, tenant)
             intake_ms = [(c - t0) * 1000 for c in hops.pop("_intake_created")]
+            idle_hops = hop_breakdown(s.database_url, "warmup")
+            idle_hops.pop("_intake_created")
         finally:
             stop(list(procs.values()))
     n = args.jobs
@@ -222,6 +226,7 @@ def run_workers(args: Any, workers: int) -> dict[str, Any]:
         "end_to_end_ms": latency_summary(e2e),
         "submit_to_intake_commit_ms": latency_summary(intake_ms),
         "hops": hops,
+        "hops_idle": idle_hops,
         "where_the_time_goes": {
             "postgres_tx_per_job": round((x1 - x0) / n, 1),
             "kafka_messages_per_job": 1 + round(int(kafka_msgs["n"]) / n, 2),

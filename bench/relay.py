@@ -283,12 +283,12 @@ def raw_baseline(settings: Settings, source_topic: str, n: int) -> dict[str, Any
                                 if k != "bootstrap.servers"}}
 
 
-def wait_relay_active(settings: Settings, timeout_s: float = 60.0) -> None:
-    """Insert one probe row and wait until a relay published it (the relay is warm)."""
-    probe = settings.topic("bench.probe")
-    create_topics(settings, [probe], partitions=1)
+def wait_relay_active(settings: Settings, topic: str, timeout_s: float = 60.0) -> None:
+    """Insert one probe row for ``topic`` and wait until a relay published it: the relay holds
+    the lock and its producer knows the topic's partitions and leaders (a first produce to a
+    topic waits for that metadata, which is no part of the steady-state latency)."""
     with connect(settings.database_url) as conn, conn.transaction():
-        Store.add_outbox(conn, make_message(probe))
+        Store.add_outbox(conn, make_message(topic))
     wait_drained(settings.database_url, timeout_s)
 
 
@@ -299,8 +299,8 @@ def latency(settings: Settings, args: argparse.Namespace, logdir: Path) -> dict[
     n = int(args.rate * args.seconds)
     relay = start_cli(settings, logdir, "latency-relay", "relay")
     try:
-        wait_relay_active(settings)
-        col = Collector(settings, topic, n, settings.topic_partitions)
+        wait_relay_active(settings, topic)
+        col = Collector(settings, topic, n + 1, settings.topic_partitions)  # + the probe
         col.start()
         log(f"latency: {args.rate:.0f} events/s for {args.seconds}s through one relay")
         w = write_outbox(settings.database_url, topic, n, writers=args.latency_writers,

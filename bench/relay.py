@@ -310,14 +310,16 @@ def latency(settings: Settings, args: argparse.Namespace, logdir: Path) -> dict[
     finally:
         stop([relay])
     created = created_at(settings.database_url, topic)
-    lat = [col.seen[e] - c * 1000 for e, c in created.items() if e in col.seen]
+    lat = [col.seen[e] - c * 1000 for e, c in created.items()
+           if e in col.seen and e in w["committed"]]  # not the probe
     lat_commit = [col.seen[e] - c * 1000 for e, c in w["committed"].items() if e in col.seen]
     achieved = n / w["elapsed_s"]
     # Raw baseline at the same offered load: produce() call -> broker append time.
     raw_topic = settings.topic("bench.raw_latency")
     create_topics(settings, [raw_topic], partitions=settings.topic_partitions,
                   config=TOPIC_CONFIG)
-    msgs = raw_messages(settings.database_url, topic)
+    msgs = [m for m in raw_messages(settings.database_url, topic)
+            if dict(m[2])["event_id"].decode() in w["committed"]]
     rcol = Collector(settings, raw_topic, len(msgs), settings.topic_partitions)
     rcol.start()
     r = raw_produce(settings, raw_topic, msgs, rate=args.rate)

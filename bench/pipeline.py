@@ -18,8 +18,9 @@ Reported:
   the completion transaction began); ``hops_idle``: the same for the two warm-up jobs, which
   run on an idle pipeline (no queueing);
 * ``where_the_time_goes``: Postgres transactions per job (``pg_stat_database.xact_commit``
-  of the run's database), Kafka messages per job, and the CPU seconds per job of each of our
-  processes (workers, relay, downstream) read from ``/proc``.
+  of the run's database), Kafka messages per job, and the CPU milliseconds per job of each of
+  our processes (workers, relay, downstream), of all Postgres processes, of the Kafka broker
+  and of the whole machine (the last three shared with whatever else runs), from ``/proc``.
 """
 
 from __future__ import annotations
@@ -138,6 +139,37 @@ def cpu_seconds(pid: int) -> float:
         return 0.0
 
 
+def shared_cpu_seconds() -> dict[str, Any]:
+    """Per pid, CPU seconds so far of every Postgres and Kafka (java) process, and the busy
+    time of the whole machine (all cores, /proc/stat)."""
+    import os
+    procs: dict[int, tuple[str, float]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            comm = (d / "comm").read_text().strip()
+        except OSError:
+            continue
+        key = "postgres" if comm.startswith("postgres") else "kafka" if comm == "java" else None
+        if key:
+            procs[int(d.name)] = (key, cpu_seconds(int(d.name)))
+    ticks = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    busy = sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
+    return {"procs": procs, "machine_busy": busy / os.sysconf("SC_CLK_TCK")}
+
+
+def shared_cpu_delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
+    """CPU seconds between two :func:`shared_cpu_seconds` readings: per kind, over the
+    processes alive at the end (one that exited meanwhile is not counted: a lower bound)."""
+    out = {"postgres": 0.0, "kafka": 0.0}
+    for pid, (key, t) in b["procs"].items():
+        before = a["procs"].get(pid)
+        out[key] += t - (before[1] if before and before[0] == key else 0.0)
+    out["machine_busy"] = b["machine_busy"] - a["machine_busy"]
+    return out
+
+
 def hop_breakdown(url: str, tenant: str) -> dict[str, Any]:
     """Per event of the chain: relay, pickup and work legs (ms), medians and p90."""
     q = """
@@ -185,6 +217,7 @@ def run_workers(args: Any, workers: int) -> dict[str, Any]:
             tenant = "bench"
             docs = documents(args.jobs, args.doc_bytes, tenant)
             cpu0 = {k: cpu_seconds(p.pid) for k, p in procs.items()}
+            shared0 = shared_cpu_seconds()
             x0 = xact_commits(s.database_url)
             log(f"{workers} worker(s): submitting {args.jobs} documents")
             t0 = time.time()
@@ -192,6 +225,7 @@ def run_workers(args: Any, workers: int) -> dict[str, Any]:
             wait_applied(s.database_url, tenant, args.jobs, args.timeout)
             x1 = xact_commits(s.database_url)
             cpu1 = {k: cpu_seconds(p.pid) for k, p in procs.items()}
+            shared1 = shared_cpu_seconds()
             with connect(s.database_url, autocommit=True) as conn:
                 r = conn.execute(
                     "SELECT extract(epoch FROM max(a.applied_at)) AS applied, "
@@ -232,7 +266,13 @@ def run_workers(args: Any, workers: int) -> dict[str, Any]:
             "kafka_messages_per_job": 1 + round(int(kafka_msgs["n"]) / n, 2),
             "cpu_ms_per_job": {"workers_total": round(worker_cpu, 2),
                                "relay": cpu["relay"], "downstream": cpu["downstream"],
-                               "per_process": cpu},
+                               "per_process": cpu,
+                               "shared_services_and_machine": {
+                                   k: round(v / n * 1000, 2) for k, v in
+                                   shared_cpu_delta(shared0, shared1).items()},
+                               "note": "postgres (all backends alive at the end), kafka "
+                                       "(broker JVM) and machine_busy are shared: they "
+                                       "include whatever else ran on the machine meanwhile"},
         },
         "logs": str(logdir),
     }

@@ -281,23 +281,25 @@ def run_workers(args: Any, workers: int) -> dict[str, Any]:
 def plot(result: dict[str, Any], path: str) -> None:
     plt = pyplot()
     runs = result["runs"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+    ax1 = axes[0]
     ax1.bar([str(r["workers"]) for r in runs], [r["jobs_per_s"] for r in runs])
     ax1.axhline(300, color="red", ls="--", lw=1, label="target 300 jobs/s")
     ax1.set_xlabel("worker processes")
     ax1.set_ylabel("jobs/s (submit -> applied)")
     ax1.legend()
-    legs = ("relay_ms", "pickup_ms", "work_ms")
-    bottoms = [0.0] * len(CHAIN)
     r0 = runs[0]
-    for leg in legs:
-        vals = [r0["hops"][ev].get(leg, {}).get("p50", 0) for ev in CHAIN]
-        ax2.bar([e.removeprefix("job.") for e in CHAIN], vals, bottom=bottoms, label=leg)
-        bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
-    ax2.set_ylabel("ms (median)")
-    ax2.set_title(f"per hop, {r0['workers']} worker(s)")
-    ax2.tick_params(axis="x", rotation=30)
-    ax2.legend()
+    for ax, key, title in ((axes[1], "hops_idle", "idle pipeline"),
+                           (axes[2], "hops", f"burst of {r0['jobs']} jobs")):
+        bottoms = [0.0] * len(CHAIN)
+        for leg in ("relay_ms", "pickup_ms", "work_ms"):
+            vals = [max(0.0, r0[key][ev].get(leg, {}).get("p50", 0)) for ev in CHAIN]
+            ax.bar([e.removeprefix("job.") for e in CHAIN], vals, bottom=bottoms, label=leg)
+            bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
+        ax.set_ylabel("ms (median)")
+        ax.set_title(f"per hop, {r0['workers']} worker(s), {title}")
+        ax.tick_params(axis="x", rotation=30)
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

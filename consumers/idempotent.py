@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
-from confluent_kafka import Consumer, KafkaError, Message, Producer
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
 
 from jobstream import faults
 from jobstream.db import QUERIES as Q
@@ -203,8 +203,21 @@ class IdempotentConsumer:
                 return False  # stopping: the offset of the unprocessed message is not stored
             log.debug("%s %s[%d]@%d", outcome[0], msg.topic(), msg.partition(), msg.offset())
             faults.point("consumer_after_apply_before_offset")
-            self._consumer.store_offsets(message=msg)
+            self._store_offset(msg)
         return True
+
+    def _store_offset(self, msg: Message) -> None:
+        """Store ``msg``'s offset for the next commit. A partition revoked meanwhile (a
+        rebalance served while a batch was fetched) is skipped: its new owner re-delivers from
+        the last committed offset, and processed_event absorbs the copy."""
+        try:
+            self._consumer.store_offsets(message=msg)
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError._STATE:
+                raise
+            log.info("%s[%d] is no longer assigned; offset %d not stored (its next owner "
+                     "re-delivers it as a duplicate)", msg.topic(), msg.partition(),
+                     msg.offset())
 
     def _apply(self, msgs: list[Message]) -> bool:
         """Apply a batch and store its offsets; False when stopped before the end."""
@@ -229,7 +242,7 @@ class IdempotentConsumer:
             for m in msgs:
                 last[(m.topic() or "", m.partition() or 0)] = m
             for m in last.values():
-                self._consumer.store_offsets(message=m)
+                self._store_offset(m)
             return True
         return False
 

@@ -99,6 +99,8 @@ class OutboxRelay:
                 except BufferError:
                     poll(0.1)  # local queue full: serve callbacks, then retry
                 except TypeError:  # a header value that is not a string (JSON number, ...)
+                    if all(isinstance(v, str) for v in headers.values()):
+                        raise  # not the headers: a bug, let it surface
                     headers = {k: str(v) for k, v in headers.items()}
             poll(0)
         remaining = self._producer.flush(60)

@@ -7,6 +7,13 @@ re-publication) and the handler is not called; else run ``handler(conn, event)``
 transaction; commit; only then store the Kafka offset (``enable.auto.offset.store=false``; the
 stored offsets are auto-committed). A crash anywhere before the commit redoes everything; a
 crash after it finds the row. That is "delivered at-least-once, applied exactly once".
+
+Batches: the messages already fetched when one arrives (up to ``max_batch``) are applied in
+ONE transaction: one multi-row ``processed_event`` insert tells which keys are new, the handler
+runs for the first copy of each new key (its statements pipelined), one commit, then the
+poison ones of the batch are dead-lettered and the offsets stored. Same guarantee, one commit
+per batch instead of per message. If the handler raises, the batch is rolled back and its
+messages are processed one by one as above, so a bad message costs only itself.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
-from confluent_kafka import Consumer, KafkaError, Message, Producer
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
 
 from jobstream import faults, logs
 from jobstream.db import QUERIES as Q
@@ -33,6 +40,7 @@ from schemas.events import decode_event
 log = logging.getLogger("jobstream.consumer")
 
 Handler = Callable[[psycopg.Connection, Any], None]
+BatchHandler = Callable[[psycopg.Connection, list[Any]], None]
 
 
 @dataclass
@@ -52,12 +60,18 @@ class IdempotentConsumer:
     ``event_types``: the types accepted (others are dead-lettered). The handler gets the open
     connection (inside the transaction) and the decoded event; it must not commit. If it raises
     :class:`PoisonMessage` the message is dead-lettered; any other exception rolls back and the
-    message is retried after a backoff (nothing is lost, the partition waits).
+    message is retried after a backoff (nothing is lost, the partition waits). ``max_batch``:
+    most messages applied in one transaction (1 = a transaction per message).
+    ``batch_handler(conn, events)``, if given, must have the effect of calling ``handler`` for
+    each event in order (e.g. multi-row statements); batches use it instead of the loop.
     """
 
     def __init__(self, settings: Settings, *, group: str, topics: list[str],
-                 event_types: tuple[str, ...], handler: Handler) -> None:
+                 event_types: tuple[str, ...], handler: Handler,
+                 batch_handler: BatchHandler | None = None, max_batch: int = 500) -> None:
         self.settings = settings
+        self.max_batch = max_batch
+        self.batch_handler = batch_handler
         self.group = group
         self.topics = topics
         self.event_types = event_types
@@ -128,11 +142,123 @@ class IdempotentConsumer:
         self.stats.applied += 1
         return "applied"
 
+    def process_batch(self, msgs: list[Message]) -> list[str]:
+        """Apply ``msgs`` in ONE transaction; returns each message's outcome (``applied``,
+        ``duplicate`` or ``dead_lettered``), in order.
+
+        Undecodable messages are dead-lettered after the commit. Raises (after rolling back,
+        with nothing dead-lettered and no stats counted) ``psycopg.Error`` or whatever the
+        handler raised, :class:`PoisonMessage` included: the caller then processes the
+        messages one by one with :meth:`process`.
+        """
+        outcomes: list[str] = ["duplicate"] * len(msgs)
+        poison: list[tuple[int, PoisonMessage]] = []
+        first: dict[tuple[str, str], tuple[int, Any]] = {}  # key -> first copy in the batch
+        for i, msg in enumerate(msgs):
+            try:
+                event = decode_event(msg.value(), expected=self.event_types)
+            except PoisonMessage as exc:
+                poison.append((i, exc))
+                continue
+            first.setdefault((event.dedup_key, event.event_type), (i, event))
+        conn = self._db()
+        if first:
+            events = [ev for _, ev in first.values()]
+            with conn.transaction():
+                new = {(r["dedup_key"], r["event_type"]) for r in conn.execute(
+                    Q["record_processed_batch"], (
+                        self.group, [e.dedup_key for e in events],
+                        [e.event_type for e in events], [e.event_id for e in events],
+                        [e.job_id for e in events])).fetchall()}
+                todo = [(i, ev) for key, (i, ev) in first.items() if key in new]
+                if self.batch_handler is not None:
+                    if todo:
+                        self.batch_handler(conn, [ev for _, ev in todo])
+                else:
+                    with conn.pipeline():
+                        for _, ev in todo:
+                            self.handler(conn, ev)
+                for i, _ in todo:
+                    outcomes[i] = "applied"
+        for i, exc in poison:
+            self._dead_letter(msgs[i], exc.code, str(exc))
+            outcomes[i] = "dead_lettered"
+        self.stats.applied += outcomes.count("applied")
+        self.stats.duplicates += outcomes.count("duplicate")
+        return outcomes
+
+    def _retrying(self, fn: Callable[[], Any]) -> bool:
+        """Run ``fn`` until it succeeds (backoff between tries); False if stopped first."""
+        backoff = 0.5
+        while not self._stop.is_set():
+            try:
+                fn()
+                return True
+            except Exception as exc:  # rolled back: retry, never skip the message
+                log.warning("processing failed (%s: %s); retrying in %.1fs",
+                            type(exc).__name__, exc, backoff)
+                if isinstance(exc, psycopg.OperationalError) and self._conn is not None:
+                    self._conn.close()
+                    self._conn = None
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+        return False
+
+    def _one_by_one(self, msgs: list[Message]) -> bool:
+        """The per-message path: apply, then store the offset, message after message."""
+        for msg in msgs:
+            outcome: list[str] = []
+            if not self._retrying(lambda m=msg, o=outcome: o.append(self.process(m))):
+                return False  # stopping: the offset of the unprocessed message is not stored
+            log.debug("%s %s[%d]@%d", outcome[0], msg.topic(), msg.partition(), msg.offset())
+            faults.point("consumer_after_apply_before_offset")
+            self._store_offset(msg)
+        return True
+
+    def _store_offset(self, msg: Message) -> None:
+        """Store ``msg``'s offset for the next commit. A partition revoked meanwhile (a
+        rebalance served while a batch was fetched) is skipped: its new owner re-delivers from
+        the last committed offset, and processed_event absorbs the copy."""
+        try:
+            self._consumer.store_offsets(message=msg)
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError._STATE:
+                raise
+            log.info("%s[%d] is no longer assigned; offset %d not stored (its next owner "
+                     "re-delivers it as a duplicate)", msg.topic(), msg.partition(),
+                     msg.offset())
+
+    def _apply(self, msgs: list[Message]) -> bool:
+        """Apply a batch and store its offsets; False when stopped before the end."""
+        if len(msgs) == 1:
+            return self._one_by_one(msgs)
+        while not self._stop.is_set():
+            try:
+                self.process_batch(msgs)
+            except psycopg.OperationalError as exc:
+                log.warning("batch failed (%s); retrying", exc)
+                if self._conn is not None:
+                    self._conn.close()
+                    self._conn = None
+                self._stop.wait(0.5)
+                continue
+            except Exception as exc:  # the handler refused one: find it, one by one
+                log.info("batch of %d rolled back (%s: %s); applying one by one", len(msgs),
+                         type(exc).__name__, exc)
+                return self._one_by_one(msgs)
+            faults.point("consumer_after_apply_before_offset")
+            last: dict[tuple[str, int], Message] = {}
+            for m in msgs:
+                last[(m.topic() or "", m.partition() or 0)] = m
+            for m in last.values():
+                self._store_offset(m)
+            return True
+        return False
+
     def run(self, *, idle_exit_s: float | None = None) -> ConsumerStats:
         """Consume until stopped (or, with ``idle_exit_s``, until idle that long)."""
         self._consumer.subscribe(self.topics)
         last_msg = time.monotonic()
-        backoff = 0.5
         try:
             while not self._stop.is_set():
                 msg = self._consumer.poll(0.5)
@@ -140,28 +266,21 @@ class IdempotentConsumer:
                     if idle_exit_s is not None and time.monotonic() - last_msg > idle_exit_s:
                         break
                     continue
-                if msg.error():
-                    if msg.error().code() != KafkaError._PARTITION_EOF:
-                        log.warning("consumer error: %s", msg.error())
+                got = [msg]
+                if self.max_batch > 1:  # what is already fetched; never waits for more
+                    got += self._consumer.consume(self.max_batch - 1, 0)
+                msgs = []
+                for m in got:
+                    if m.error():
+                        if m.error().code() != KafkaError._PARTITION_EOF:
+                            log.warning("consumer error: %s", m.error())
+                        continue
+                    msgs.append(m)
+                if not msgs:
                     continue
                 last_msg = time.monotonic()
-                while not self._stop.is_set():
-                    try:
-                        self.process(msg)
-                        break
-                    except Exception as exc:  # rolled back: retry, never skip the message
-                        log.warning("processing failed (%s: %s); retrying in %.1fs",
-                                    type(exc).__name__, exc, backoff)
-                        if isinstance(exc, psycopg.OperationalError) and self._conn is not None:
-                            self._conn.close()
-                            self._conn = None
-                        self._stop.wait(backoff)
-                        backoff = min(backoff * 2, 10.0)
-                else:
-                    break  # stopping: the offset of the unprocessed message is not stored
-                backoff = 0.5
-                faults.point("consumer_after_apply_before_offset")
-                self._consumer.store_offsets(message=msg)
+                if not self._apply(msgs):
+                    break
         finally:
             self._consumer.close()  # commits the stored offsets
             if self._conn is not None:

@@ -28,8 +28,22 @@ def apply_ready(conn: psycopg.Connection, ev: JobReady) -> None:
                                      ev.payload.charge_usd))
 
 
+def apply_ready_batch(conn: psycopg.Connection, events: list[JobReady]) -> None:
+    """:func:`apply_ready` for many events at once: two statements for the whole batch
+    (caller's tx), the same rows in the same order."""
+    conn.execute(Q["apply_analysis_batch"], (Jsonb([
+        {"tenant_id": ev.tenant_id, "dedup_key": ev.dedup_key, "job_id": str(ev.job_id),
+         "filename": ev.payload.filename, "title": ev.payload.result.title,
+         "summary": ev.payload.result.summary, "keywords": ev.payload.result.keywords,
+         "fields": ev.payload.result.fields} for ev in events]),))
+    conn.execute(Q["apply_charge_batch"], (Jsonb([
+        {"tenant_id": ev.tenant_id, "dedup_key": ev.dedup_key, "job_id": str(ev.job_id),
+         "amount_usd": ev.payload.charge_usd} for ev in events]),))
+
+
 def build(settings: Settings) -> IdempotentConsumer:
     """The ready applier as an :class:`IdempotentConsumer` on ``job.ready``."""
     return IdempotentConsumer(settings, group=settings.group(GROUP),
                               topics=[settings.topic("job.ready")],
-                              event_types=("job.ready",), handler=apply_ready)
+                              event_types=("job.ready",), handler=apply_ready,
+                              batch_handler=apply_ready_batch)

@@ -30,6 +30,7 @@ from typing import Any
 
 import psycopg
 from confluent_kafka import KafkaError, Producer
+from psycopg.rows import tuple_row
 
 from jobstream import faults
 from jobstream.db import QUERIES as Q
@@ -78,8 +79,9 @@ class OutboxRelay:
         Raises :class:`DeliveryFailed` (nothing of the batch is marked) when any delivery
         report carries an error; the rows stay unpublished and are retried.
         """
-        with conn.transaction():
-            rows = conn.execute(Q["outbox_fetch"], (self.settings.relay_batch_size,)).fetchall()
+        with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
+            # Plain tuples: building a dict per row cost a third of the fetch.
+            rows = cur.execute(Q["outbox_fetch"], (self.settings.relay_batch_size,)).fetchall()
         if not rows:
             return 0
         errors: list[KafkaError] = []
@@ -88,27 +90,33 @@ class OutboxRelay:
             if err is not None:
                 errors.append(err)
 
-        for row in rows:
-            headers = [(k, str(v).encode()) for k, v in row["headers"].items()]
+        produce, poll = self._producer.produce, self._producer.poll
+        for _id, topic, key, payload, headers, _type in rows:
             while True:
-                try:
-                    self._producer.produce(row["topic"], value=bytes(row["payload"]),
-                                           key=row["kafka_key"], headers=headers,
-                                           on_delivery=on_delivery)
+                try:  # a dict of str headers is UTF-8 encoded by the client, in C
+                    produce(topic, value=payload, key=key, headers=headers,
+                            on_delivery=on_delivery)
                     break
                 except BufferError:
-                    self._producer.poll(0.1)  # local queue full: serve callbacks, then retry
-            self._producer.poll(0)
+                    poll(0.1)  # local queue full: serve callbacks, then retry
+                except TypeError:  # a header value that is not a string (JSON number, ...)
+                    if all(isinstance(v, str) for v in headers.values()):
+                        raise  # not the headers: a bug, let it surface
+                    headers = {k: str(v) for k, v in headers.items()}
+            poll(0)
         remaining = self._producer.flush(60)
         if remaining or errors:
             self.stats.failed += len(errors) + remaining
             raise DeliveryFailed(f"{len(errors)} failed, {remaining} undelivered: "
                                  f"{errors[:3]}")
         faults.point("relay_after_produce_before_mark")
-        for event_type in sorted({r["event_type"] for r in rows}):
+        for event_type in sorted({r[5] for r in rows}):
             faults.point(f"relay_after_produce_before_mark:{event_type}")
-        ids = [r["id"] for r in rows]
+        ids = [r[0] for r in rows]
         with conn.transaction():
+            # A mark lost in a Postgres crash only re-publishes its rows (the at-least-once
+            # side, absorbed by the consumers), so its commit need not wait for the WAL flush.
+            conn.execute(Q["relay_mark_async_commit"])
             conn.execute(Q["outbox_mark_published"], (ids,))
         self.stats.published += len(ids)
         self.stats.batches += 1

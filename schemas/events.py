@@ -259,19 +259,26 @@ def decode_event(raw: bytes | str | None, expected: str | tuple[str, ...] | None
     """
     if raw is None or raw in (b"", ""):
         raise PoisonMessage("empty message value", code="empty")
+    wanted = (expected,) if isinstance(expected, str) else expected
+    try:  # fast path: parse and validate in one pass (pydantic-core), no Python dict between
+        event = _ADAPTER.validate_json(raw)
+    except ValidationError:
+        pass  # the path below says what is wrong with it
+    else:
+        if wanted is not None and event.event_type not in wanted:
+            raise PoisonMessage(f"event_type {event.event_type!r} not in {list(wanted)}",
+                                code="unexpected_event_type")
+        return event
     try:
         obj = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise PoisonMessage(f"value is not JSON: {exc}", code="not_json") from None
-    if isinstance(obj, dict) and expected is not None:
-        wanted = (expected,) if isinstance(expected, str) else expected
+    if isinstance(obj, dict) and wanted is not None:
         if "event_type" not in obj and len(wanted) == 1:
             obj["event_type"] = wanted[0]  # the schema gives it a default: the topic's type
         if obj.get("event_type") not in wanted:
-            raise PoisonMessage(
-                f"event_type {obj.get('event_type')!r} not in {list(wanted)}",
-                code="unexpected_event_type",
-            )
+            raise PoisonMessage(f"event_type {obj.get('event_type')!r} not in {list(wanted)}",
+                                code="unexpected_event_type")
     try:
         return _ADAPTER.validate_python(obj)
     except ValidationError as exc:

@@ -1,7 +1,8 @@
 """Generate the committed JSON Schema files from the pydantic models.
 
-``python -m schemas.generate`` writes ``schemas/json/<event_type>.v<N>.schema.json``;
-``--check`` exits 1 when a committed file differs from what the models generate (drift).
+``python -m schemas.generate`` writes ``schemas/json/<event_type>.v<N>.schema.json`` and the
+AsyncAPI document ``schemas/asyncapi.json`` (``schemas.asyncapi``); ``--check`` exits 1 when a
+committed file differs from what the models generate (drift).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for name in stale if not args.check else []:
         (OUT_DIR / name).unlink()
-    return 0
+    from schemas import asyncapi  # the AsyncAPI document is generated from the same models
+    return asyncapi.main(["--check"] if args.check else [])
 
 
 if __name__ == "__main__":

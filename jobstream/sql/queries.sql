@@ -288,6 +288,16 @@ VALUES (%s, %s, %s, %s, %s)
 ON CONFLICT (consumer_group, dedup_key, event_type) DO NOTHING
 RETURNING 1 AS inserted;
 
+-- name: record_processed_batch
+-- The idempotent-consumer rows of a batch (distinct keys), in the transaction of the batch's
+-- effects. Returns the keys that were new; the others are duplicates.
+INSERT INTO processed_event (consumer_group, dedup_key, event_type, event_id, job_id)
+SELECT %s, u.dedup_key, u.event_type, u.event_id, u.job_id
+  FROM unnest(%s::text[], %s::text[], %s::uuid[], %s::uuid[])
+       AS u(dedup_key, event_type, event_id, job_id)
+ON CONFLICT (consumer_group, dedup_key, event_type) DO NOTHING
+RETURNING dedup_key, event_type;
+
 -- name: is_processed
 SELECT 1 FROM processed_event WHERE consumer_group = %s AND dedup_key = %s AND event_type = %s;
 
@@ -310,6 +320,11 @@ UPDATE job SET trace_id = %s WHERE job_id = %s AND trace_id IS NULL;
 -- transaction that committed late (a lower id seen after a higher one) is published next poll.
 SELECT id, topic, kafka_key, payload, headers, event_type FROM outbox
  WHERE published_at IS NULL ORDER BY id LIMIT %s;
+
+-- name: relay_mark_async_commit
+-- The mark's transaction commits without waiting for the WAL flush: losing it in a crash
+-- only re-publishes rows already delivered (at-least-once; consumers are idempotent).
+SET LOCAL synchronous_commit TO off;
 
 -- name: outbox_mark_published
 UPDATE outbox SET published_at = now() WHERE id = ANY(%s);
@@ -353,6 +368,28 @@ VALUES (%s, %s, %s, %s, %s, %s, %s, %s);
 -- name: apply_charge
 INSERT INTO downstream.ledger_charge (tenant_id, dedup_key, job_id, amount_usd)
 VALUES (%s, %s, %s, %s);
+
+-- name: apply_analysis_batch
+-- apply_analysis for a batch: one JSON array of rows (tenant_id, dedup_key, job_id, filename,
+-- title, summary, keywords, fields), in array order.
+INSERT INTO downstream.document_analysis
+       (tenant_id, dedup_key, job_id, filename, title, summary, keywords, fields)
+SELECT r.tenant_id, r.dedup_key, r.job_id, r.filename, r.title, r.summary,
+       ARRAY(SELECT jsonb_array_elements_text(r.keywords)), r.fields
+  FROM ROWS FROM (jsonb_to_recordset(%s::jsonb)
+                  AS (tenant_id text, dedup_key text, job_id uuid, filename text, title text,
+                      summary text, keywords jsonb, fields jsonb)) WITH ORDINALITY
+       AS r(tenant_id, dedup_key, job_id, filename, title, summary, keywords, fields, ord)
+ ORDER BY r.ord;
+
+-- name: apply_charge_batch
+-- apply_charge for a batch: one JSON array of rows (tenant_id, dedup_key, job_id, amount_usd).
+INSERT INTO downstream.ledger_charge (tenant_id, dedup_key, job_id, amount_usd)
+SELECT r.tenant_id, r.dedup_key, r.job_id, r.amount_usd
+  FROM ROWS FROM (jsonb_to_recordset(%s::jsonb)
+                  AS (tenant_id text, dedup_key text, job_id uuid, amount_usd numeric))
+       WITH ORDINALITY AS r(tenant_id, dedup_key, job_id, amount_usd, ord)
+ ORDER BY r.ord;
 
 -- name: stage_provider_cost
 SELECT coalesce(sum(cost_usd), 0)::float8 AS cost_usd, count(*) AS calls

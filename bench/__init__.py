@@ -1,0 +1,1 @@
+"""Benchmarks: each script prints one JSON object (see bench/README.md)."""

@@ -1,0 +1,223 @@
+"""Shared plumbing of the benchmarks: an isolated database and topic prefix per run, the
+machine's description, percentiles, JSON output and optional plots.
+
+Every run creates its own database (``CREATE DATABASE`` + :func:`jobstream.db.migrate`) and its
+own topic prefix, and drops/deletes both at the end, so benchmarks can run next to the test
+suite on shared services. Run the scripts from the repository root as modules
+(``python -m bench.relay``) so the checkout's code is the code measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from confluent_kafka.admin import AdminClient, NewTopic
+from psycopg import sql
+
+from jobstream.db import migrate
+from jobstream.kafka import all_topics, base_config
+from jobstream.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    """Arguments every benchmark takes: services, partitions, plot file."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--database-url", default=os.environ.get(
+        "JOBSTREAM_DATABASE_URL", os.environ.get("DATABASE_URL", Settings().database_url)),
+        help="server to create the run's database on (default: settings)")
+    p.add_argument("--kafka", default=os.environ.get(
+        "JOBSTREAM_KAFKA_BOOTSTRAP_SERVERS",
+        os.environ.get("KAFKA_BOOTSTRAP_SERVERS", Settings().kafka_bootstrap_servers)),
+        help="Kafka bootstrap servers (default: settings)")
+    p.add_argument("--partitions", type=int, default=6, help="partitions per topic")
+    p.add_argument("--plot", metavar="PNG", help="also write a plot (needs matplotlib)")
+    return p
+
+
+def machine() -> dict[str, Any]:
+    """What the figures ran on: cores, memory, load average before the run, versions."""
+    mem = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            k, v = line.split(":", 1)
+            if k in ("MemTotal", "MemAvailable"):
+                mem[k] = f"{int(v.split()[0]) / 1024 / 1024:.1f} GiB"
+    except OSError:
+        pass
+    try:
+        free = subprocess.run(["free", "-h"], capture_output=True, text=True,
+                              timeout=5).stdout.splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        free = []
+    import confluent_kafka
+    return {
+        "nproc": os.cpu_count(), "loadavg_1_5_15": list(os.getloadavg()),
+        "mem_total": mem.get("MemTotal"), "mem_available": mem.get("MemAvailable"),
+        "free_h": free[:2], "python": platform.python_version(),
+        "librdkafka": confluent_kafka.libversion()[0], "platform": platform.platform(),
+        "at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
+def pct(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0..100, nearest rank) of ``values``; None when empty."""
+    if not values:
+        return None
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, int(round(q / 100 * len(s) + 0.5)) - 1))
+    return s[k]
+
+
+def latency_summary(ms: Sequence[float]) -> dict[str, Any]:
+    """count, p50, p90, p99, max (milliseconds, rounded to 0.1)."""
+    r = {"count": len(ms)}
+    for name, q in (("p50", 50), ("p90", 90), ("p99", 99), ("max", 100)):
+        v = pct(ms, q)
+        r[f"{name}_ms"] = None if v is None else round(v, 1)
+    return r
+
+
+@contextmanager
+def fresh_database(server_url: str, label: str) -> Iterator[str]:
+    """A new, migrated database for one run; dropped (WITH FORCE) afterwards."""
+    name = f"jsbench_{label}_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    url = psycopg.conninfo.make_conninfo(server_url, dbname=name)
+    try:
+        migrate(url)
+        yield url
+    finally:
+        with psycopg.connect(server_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                sql.Identifier(name)))
+
+
+def create_topics(settings: Settings, names: Sequence[str], *, partitions: int,
+                  config: dict[str, str] | None = None, timeout_s: float = 30.0) -> None:
+    """Create full topic ``names`` (waits until each has leaders)."""
+    admin = AdminClient(base_config(settings))
+    futs = admin.create_topics([NewTopic(n, num_partitions=partitions, replication_factor=1,
+                                         config=config or {}) for n in names],
+                               operation_timeout=timeout_s)
+    for f in futs.values():
+        f.result(timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        md = admin.list_topics(timeout=timeout_s).topics
+        if all(n in md and md[n].error is None and md[n].partitions for n in names):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"topics {names} have no leaders after {timeout_s}s")
+
+
+def delete_prefixed_topics(settings: Settings) -> None:
+    """Delete every topic of the run's prefix (best effort)."""
+    if not settings.topic_prefix:
+        return
+    admin = AdminClient(base_config(settings))
+    names = [t for t in admin.list_topics(timeout=15).topics
+             if t.startswith(settings.topic_prefix)]
+    if names:
+        for f in admin.delete_topics(names, operation_timeout=30).values():
+            try:
+                f.result(timeout=30)
+            except Exception as exc:  # best effort: report, keep going
+                print(f"warning: could not delete a topic: {exc}", file=sys.stderr)
+
+
+@contextmanager
+def isolated(args: argparse.Namespace, label: str, **settings_kw: Any) -> Iterator[Settings]:
+    """Settings with a fresh database and a unique topic prefix (both removed afterwards)."""
+    prefix = f"bench{label}{uuid.uuid4().hex[:6]}."
+    with fresh_database(args.database_url, label) as url:
+        s = Settings(database_url=url, kafka_bootstrap_servers=args.kafka, topic_prefix=prefix,
+                     topic_partitions=args.partitions, **settings_kw)
+        try:
+            yield s
+        finally:
+            delete_prefixed_topics(s)
+
+
+def ensure_all_topics(settings: Settings) -> None:
+    """Every pipeline topic of the run's prefix, with LogAppendTime timestamps so messages
+    carry the broker's append time (what "reached Kafka" means in these benchmarks)."""
+    create_topics(settings, all_topics(settings), partitions=settings.topic_partitions,
+                  config={"message.timestamp.type": "LogAppendTime"})
+
+
+def subprocess_env(settings: Settings, **extra: str) -> dict[str, str]:
+    """Environment that carries ``settings`` to a ``python -m jobstream.cli`` child."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("JOBSTREAM_") and k not in ("DATABASE_URL",
+                                                           "KAFKA_BOOTSTRAP_SERVERS")}
+    for k, v in settings.model_dump().items():
+        if v is None:
+            continue
+        env[f"JOBSTREAM_{k.upper()}"] = json.dumps(v) if isinstance(v, dict | list) else str(v)
+    env.update(extra)
+    return env
+
+
+def start_cli(settings: Settings, logdir: Path, name: str, *args: str, log_level: str = "warning",
+              **extra_env: str) -> subprocess.Popen[bytes]:
+    """Start ``python -m jobstream.cli <args>`` from the repository root (this checkout's
+    code), logging to ``logdir/<name>.log``."""
+    logdir.mkdir(parents=True, exist_ok=True)
+    with (logdir / f"{name}.log").open("wb") as fh:
+        return subprocess.Popen([sys.executable, "-m", "jobstream.cli", "--log-level",
+                                 log_level, *args], cwd=ROOT,
+                                env=subprocess_env(settings, **extra_env), stdout=fh,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 20.0) -> None:
+    """SIGTERM the given processes, SIGKILL what is left after ``timeout_s``."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+
+
+def emit(result: dict[str, Any]) -> None:
+    """Print the run's one JSON object to stdout."""
+    json.dump(result, sys.stdout, indent=2, default=str)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+
+
+def log(msg: str) -> None:
+    """Progress to stderr (stdout carries only the JSON)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend; SystemExit with a hint when not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install '.[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt

@@ -1,0 +1,260 @@
+"""Apply rate of ``job.ready`` through the idempotent consumer, next to a raw consume+commit.
+
+For each duplicate share (``--dups``, default 0 and 30 percent) the run produces ``--n``
+``job.ready`` messages (realistic results, ~1 KB) to a topic of its own, where that share of the
+messages are re-deliveries: byte-identical copies of an earlier event (same key, same
+partition, later offset). The same messages are then read by three consumers, each in its own
+group, one after another:
+
+* ``raw``: poll + ``store_offsets`` (offsets auto-committed): what Kafka and the client cost;
+* ``decode``: the same plus ``schemas.events.decode_event`` (pydantic validation);
+* ``idempotent``: ``consumers.ready_applier`` (``IdempotentConsumer`` + ``apply_ready``):
+  the ``processed_event`` insert and the two effect rows in one Postgres transaction, the
+  offset stored after the commit.
+
+Rate = messages / (first message handed to the application .. last offset stored). After the
+idempotent run the effect rows are counted: each unique event must be applied exactly once.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, Message, Producer
+
+from bench.common import (
+    base_parser,
+    create_topics,
+    emit,
+    isolated,
+    log,
+    machine,
+    pyplot,
+)
+from consumers.ready_applier import build
+from jobstream.db import connect
+from jobstream.kafka import consumer_config, producer_config
+from jobstream.settings import Settings
+from jobstream.store import outbox_message
+from schemas.events import DocumentAnalysis, JobReady, JobReadyPayload, decode_event
+
+
+def ready_event(tenant: str, i: int) -> JobReady:
+    """A realistic ``job.ready`` (a licence-like analysis, ~1 KB encoded)."""
+    return JobReady(
+        tenant_id=tenant, idempotency_key=f"{tenant}:{i}", job_id=uuid.uuid4(),
+        dedup_key=uuid.uuid4().hex * 2,
+        payload=JobReadyPayload(
+            result=DocumentAnalysis(
+                title=f"GNU GENERAL PUBLIC LICENSE {i}",
+                summary=("This License applies to any program or other work which contains a "
+                         "notice placed by the copyright holder saying it may be distributed "
+                         "under the terms of this General Public License. ") * 3,
+                keywords=["license", "program", "software", "copyright", "distribute",
+                          "source", "code", "work", "terms", "modify"],
+                word_count=2968, chunk_count=5,
+                fields={"licence_name": "GPL", "version": "2", "years": ["1989", "1991"]}),
+            document_sha256="a" * 64, filename=f"doc-{i}.txt", cost_usd=0.0012,
+            charge_usd=0.01))
+
+
+def produce_scenario(settings: Settings, topic: str, n: int, dup_pct: float,
+                     tenant: str) -> dict[str, int]:
+    """Produce ``n`` messages to ``topic``, ``dup_pct`` percent of them re-deliveries."""
+    dups = int(round(n * dup_pct / 100))
+    uniques = n - dups
+    rng = random.Random(42)
+    order: list[tuple[float, bytes, bytes, list[tuple[str, bytes]]]] = []
+    msgs = []
+    for i in range(uniques):
+        m = outbox_message(topic, ready_event(tenant, i))
+        hdrs = [(k, v.encode()) for k, v in m.headers.items()]
+        msgs.append((m.key.encode(), m.value, hdrs))
+        order.append((float(i), *msgs[-1]))
+    for _ in range(dups):
+        k = rng.randrange(uniques)
+        order.append((rng.uniform(k + 0.5, uniques), *msgs[k]))
+    order.sort(key=lambda t: t[0])
+    p = Producer(producer_config(settings, **{"linger.ms": 20}))
+    for _, key, value, hdrs in order:
+        while True:
+            try:
+                p.produce(topic, key=key, value=value, headers=hdrs)
+                break
+            except BufferError:
+                p.poll(0.05)
+        p.poll(0)
+    if p.flush(120):
+        raise RuntimeError("messages not delivered")
+    return {"messages": n, "unique": uniques, "duplicates": dups}
+
+
+class TimedConsumer:
+    """Wraps a confluent-kafka Consumer: records when the first message was handed out and
+    when the last offset was stored."""
+
+    def __init__(self, inner: Consumer) -> None:
+        self._inner = inner
+        self.first: float | None = None
+        self.last_store = 0.0
+
+    def _seen(self, got: Any) -> Any:
+        if got and self.first is None:
+            self.first = time.monotonic()
+        return got
+
+    def poll(self, *a: Any, **kw: Any) -> Message | None:
+        m = self._inner.poll(*a, **kw)
+        if m is not None and m.error() is None:
+            self._seen(m)
+        return m
+
+    def consume(self, *a: Any, **kw: Any) -> list[Message]:
+        ms = self._inner.consume(*a, **kw)
+        return self._seen(ms) if any(m.error() is None for m in ms) else ms
+
+    def store_offsets(self, *a: Any, **kw: Any) -> None:
+        self._inner.store_offsets(*a, **kw)
+        self.last_store = time.monotonic()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def run_plain(settings: Settings, topic: str, n: int, decode: bool) -> dict[str, Any]:
+    """poll (+ decode) + store_offsets for ``n`` messages in a fresh group."""
+    c = Consumer(consumer_config(settings, f"{settings.topic_prefix}raw-{uuid.uuid4().hex[:6]}"))
+    c.subscribe([topic])
+    got = 0
+    first = last = 0.0
+    deadline = time.monotonic() + 300
+    try:
+        while got < n and time.monotonic() < deadline:
+            for m in c.consume(500, 0.5):
+                if m.error():
+                    if m.error().code() != KafkaError._PARTITION_EOF:
+                        raise RuntimeError(m.error())
+                    continue
+                if not got:
+                    first = time.monotonic()
+                if decode:
+                    decode_event(m.value(), expected=("job.ready",))
+                c.store_offsets(message=m)
+                got += 1
+                last = time.monotonic()
+    finally:
+        c.close()
+    if got < n:
+        raise RuntimeError(f"only {got} of {n} messages consumed")
+    return {"events_per_s": round(n / (last - first)), "elapsed_s": round(last - first, 3)}
+
+
+def run_idempotent(settings: Settings, n: int, max_batch: int | None) -> dict[str, Any]:
+    """The ready applier over the scenario's topic until every offset is stored."""
+    consumer = build(settings)
+    if max_batch is not None:
+        consumer.max_batch = max_batch
+    timed = TimedConsumer(consumer._consumer)
+    consumer._consumer = timed  # type: ignore[assignment]
+    t = threading.Thread(target=consumer.run, daemon=True)
+    t.start()
+    st = consumer.stats
+    deadline = time.monotonic() + 600
+    while (st.applied + st.duplicates + st.dead_lettered < n and time.monotonic() < deadline
+           and t.is_alive()):
+        time.sleep(0.02)
+    time.sleep(0.3)  # the offsets of the last message(s) are stored right after the stats
+    consumer.stop()
+    t.join(30)
+    done = st.applied + st.duplicates + st.dead_lettered
+    if done < n or timed.first is None:
+        raise RuntimeError(f"idempotent consumer handled {done} of {n} messages")
+    el = timed.last_store - timed.first
+    return {"events_per_s": round(n / el), "elapsed_s": round(el, 3), "applied": st.applied,
+            "duplicates_skipped": st.duplicates, "dead_lettered": st.dead_lettered}
+
+
+def count_effects(url: str, tenant: str) -> dict[str, int]:
+    with connect(url) as conn:
+        a = conn.execute("SELECT count(*) AS n, count(DISTINCT dedup_key) AS d FROM "
+                         "downstream.document_analysis WHERE tenant_id = %s",
+                         (tenant,)).fetchone()
+        c = conn.execute("SELECT count(*) AS n, count(DISTINCT dedup_key) AS d FROM "
+                         "downstream.ledger_charge WHERE tenant_id = %s", (tenant,)).fetchone()
+    assert a is not None and c is not None
+    return {"analysis_rows": a["n"], "analysis_keys": a["d"], "charge_rows": c["n"],
+            "charge_keys": c["d"]}
+
+
+def scenario(base: Settings, n: int, dup_pct: float, max_batch: int | None) -> dict[str, Any]:
+    s = base.model_copy(update={"topic_prefix": f"{base.topic_prefix}d{int(dup_pct)}."})
+    topic = s.topic("job.ready")
+    create_topics(s, [topic, topic + ".dlq"], partitions=s.topic_partitions)
+    tenant = f"bench-d{int(dup_pct)}"
+    log(f"dups {dup_pct}%: producing {n} job.ready")
+    produced = produce_scenario(s, topic, n, dup_pct, tenant)
+    raw = run_plain(s, topic, n, decode=False)
+    log(f"dups {dup_pct}%: raw {raw['events_per_s']}/s")
+    dec = run_plain(s, topic, n, decode=True)
+    log(f"dups {dup_pct}%: decode {dec['events_per_s']}/s")
+    idem = run_idempotent(s, n, max_batch)
+    log(f"dups {dup_pct}%: idempotent {idem['events_per_s']}/s")
+    effects = count_effects(s.database_url, tenant)
+    ok = (effects["analysis_rows"] == effects["analysis_keys"] == produced["unique"]
+          == effects["charge_rows"] == effects["charge_keys"] == idem["applied"])
+    return {"dup_pct": dup_pct, **produced, "raw_consume_commit": raw,
+            "consume_decode_commit": dec, "idempotent_apply": idem,
+            "idempotent_vs_raw_ratio": round(idem["events_per_s"] / raw["events_per_s"], 3),
+            "effects": effects, "exactly_once_ok": ok}
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels = ["raw consume+commit", "+ decode", "idempotent apply"]
+    keys = ["raw_consume_commit", "consume_decode_commit", "idempotent_apply"]
+    width = 0.8 / len(result["scenarios"])
+    for i, sc in enumerate(result["scenarios"]):
+        xs = [j + i * width for j in range(3)]
+        ax.bar(xs, [sc[k]["events_per_s"] for k in keys], width,
+               label=f"{sc['dup_pct']:.0f}% duplicates")
+    ax.set_xticks([j + width * (len(result["scenarios"]) - 1) / 2 for j in range(3)], labels)
+    ax.axhline(10000, color="red", ls="--", lw=1, label="target 10k/s")
+    ax.set_yscale("log")
+    ax.set_ylabel("events/s")
+    ax.set_title(f"job.ready, {result['params']['n']} messages")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    p = base_parser(__doc__.split("\n", 1)[0])
+    p.add_argument("--n", type=float, default=1e4, help="messages per scenario")
+    p.add_argument("--dups", default="0,30", help="duplicate percentages, comma-separated")
+    p.add_argument("--max-batch", type=int,
+                   help="override IdempotentConsumer.max_batch (1 = a transaction per message)")
+    args = p.parse_args()
+    args.n = int(args.n)
+    result: dict[str, Any] = {"benchmark": "consumer", "machine": machine(),
+                              "params": {k: v for k, v in vars(args).items() if k != "plot"},
+                              "scenarios": []}
+    with isolated(args, "cons") as s:
+        for d in [float(x) for x in args.dups.split(",") if x.strip()]:
+            result["scenarios"].append(scenario(s, args.n, d, args.max_batch))
+    result["machine"]["loadavg_after"] = list(__import__("os").getloadavg())
+    result["targets_met"] = {
+        f"apply>=10000/s_at_{sc['dup_pct']:.0f}%_dups": sc["idempotent_apply"]["events_per_s"]
+        >= 10000 for sc in result["scenarios"]}
+    if args.plot:
+        plot(result, args.plot)
+        result["plot"] = args.plot
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,420 @@
+"""Outbox relay throughput and commit-to-Kafka latency, next to a raw producer baseline.
+
+Scenarios, all in one run against the same broker and a fresh database:
+
+* ``drain_1_relay``: ``--n`` outbox rows are committed by ``--writers`` concurrent writer
+  processes (``Store.add_outbox`` inside their own transactions, ``--rows-per-tx`` rows each),
+  then one ``jobstream relay`` process publishes the backlog. Throughput = rows / (time the
+  last row was marked published - broker time of the first message).
+* ``raw_producer``: the same messages (topic, key, value, headers read back from the outbox)
+  sent by a plain confluent-kafka producer with the relay's exact producer config
+  (``enable.idempotence=true``, ``acks=all``, same linger and compression): rows / (time of
+  the first ``produce()`` .. ``flush()`` returned). The ratio relay/raw is reported.
+* ``drain_2_relays``: the same with two relay processes. By design one holds the advisory lock
+  and publishes, the other stands by: the throughput is one relay's, not two.
+* ``latency_1k``: writers commit at a fixed offered load (``--rate``, default 1000 events/s,
+  for ``--seconds``, one row per transaction) while one relay runs. ``commit_to_kafka`` =
+  broker append time of the message (topics use ``message.timestamp.type=LogAppendTime``,
+  millisecond resolution) - the row's ``created_at`` (``clock_timestamp()`` at the INSERT,
+  just before the COMMIT: an upper bound that also counts a writer descheduled between its
+  INSERT and COMMIT). ``commit_returned_to_kafka`` uses the wall time right after the writer's
+  COMMIT returned instead (a lower bound: it can even be negative when the writer process was
+  descheduled after the commit). ``raw_produce_to_kafka`` is the same offered load through a
+  raw producer: broker append time - ``produce()`` call time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import threading
+import time
+import uuid
+from pathlib import Path
+from tempfile import mkdtemp
+from typing import Any
+
+import psycopg
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+
+from bench.common import (
+    base_parser,
+    create_topics,
+    emit,
+    isolated,
+    latency_summary,
+    log,
+    machine,
+    pyplot,
+    start_cli,
+    stop,
+)
+from jobstream.db import QUERIES as Q
+from jobstream.db import connect
+from jobstream.kafka import base_config, producer_config
+from jobstream.settings import Settings
+from jobstream.store import OutboxMessage, Store, outbox_message
+from schemas.events import TextExtracted, TextExtractedPayload
+
+TOPIC_CONFIG = {"message.timestamp.type": "LogAppendTime"}
+
+
+def make_message(topic: str) -> OutboxMessage:
+    """A realistic stage event (``job.text_extracted``, ~600 bytes) for a fresh job."""
+    ev = TextExtracted(tenant_id="bench", idempotency_key=uuid.uuid4().hex,
+                       job_id=uuid.uuid4(), dedup_key=uuid.uuid4().hex * 2,
+                       payload=TextExtractedPayload(text_sha256="0" * 64, char_count=1234,
+                                                    page_count=0))
+    return outbox_message(topic, ev)
+
+
+def _writer(url: str, topic: str, count: int, rows_per_tx: int, interval: float,
+            start_at: float, offset: float) -> dict[str, float]:
+    """One writer: ``count`` outbox rows, ``rows_per_tx`` per transaction, one transaction
+    every ``interval`` seconds from wall time ``start_at + offset`` (0: as fast as it goes).
+    Returns event id -> wall time right after its COMMIT returned."""
+    msgs = [make_message(topic) for _ in range(count)]  # built before the clock starts
+    mine: dict[str, float] = {}
+    with connect(url) as conn:
+        delay = start_at - time.time()
+        if delay > 0:
+            time.sleep(delay)
+        t0 = time.monotonic()
+        done = k = 0
+        while done < count:
+            if interval:
+                wait = t0 + offset + k * interval - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+            batch = msgs[done:done + rows_per_tx]
+            with conn.transaction():
+                for m in batch:
+                    Store.add_outbox(conn, m)
+            now = time.time()
+            for m in batch:
+                mine[m.headers["event_id"]] = now
+            done += len(batch)
+            k += 1
+    return mine
+
+
+def _writer_proc(args: tuple[Any, ...]) -> dict[str, float]:
+    return _writer(*args)
+
+
+def write_outbox(url: str, topic: str, n: int, *, writers: int, rows_per_tx: int,
+                 rate: float | None = None) -> dict[str, Any]:
+    """Commit ``n`` outbox rows from ``writers`` concurrent writer processes (their own
+    connections and transactions; processes, so the GIL of one does not pace the others);
+    with ``rate`` (events/s, all writers together) paced and staggered, else as fast as they
+    go. Returns the commit time (wall clock) of every event id and the writers' elapsed time
+    (first commit .. last commit)."""
+    share = [n // writers + (1 if i < n % writers else 0) for i in range(writers)]
+    interval = writers * rows_per_tx / rate if rate else 0.0
+    start_at = time.time() + 1.0 + n / 50_000  # time for the children to build their messages
+    jobs = [(url, topic, share[i], rows_per_tx, interval, start_at, i * interval / writers)
+            for i in range(writers) if share[i]]
+    with mp.get_context("fork").Pool(len(jobs)) as pool:
+        parts = pool.map(_writer_proc, jobs)
+    committed: dict[str, float] = {}
+    for part in parts:
+        committed.update(part)
+    times = committed.values()
+    return {"committed": committed, "elapsed_s": max(max(times) - min(times), 1e-3)}
+
+
+class Collector(threading.Thread):
+    """Reads ``topic`` from the beginning (assigned, no group) and keeps the broker timestamp
+    (ms) of the first copy of each event id."""
+
+    def __init__(self, settings: Settings, topic: str, expect: int, partitions: int) -> None:
+        super().__init__(daemon=True)
+        self.expect = expect
+        self.seen: dict[str, int] = {}
+        self.copies = 0
+        self.ts_types: set[int] = set()
+        self._halt = threading.Event()
+        self._c = Consumer({**base_config(settings), "group.id": f"bench-{uuid.uuid4().hex}",
+                            "enable.auto.commit": False, "fetch.wait.max.ms": 5})
+        self._c.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+
+    def run(self) -> None:
+        try:
+            while not self._halt.is_set() and len(self.seen) < self.expect:
+                for m in self._c.consume(1000, 0.1):
+                    if m.error():
+                        if m.error().code() != KafkaError._PARTITION_EOF:
+                            log(f"collector: {m.error()}")
+                        continue
+                    self.copies += 1
+                    ts_type, ts = m.timestamp()
+                    self.ts_types.add(ts_type)
+                    eid = next((v.decode() for k, v in (m.headers() or []) if k == "event_id"),
+                               None)
+                    if eid is not None and eid not in self.seen:
+                        self.seen[eid] = ts
+        finally:
+            self._c.close()
+
+    def wait(self, timeout_s: float) -> None:
+        self.join(timeout_s)
+        self._halt.set()
+        self.join(5)
+
+
+def created_at(url: str, topic: str) -> dict[str, float]:
+    """event id -> the row's created_at (wall clock seconds) for the rows of ``topic``."""
+    with connect(url) as conn:
+        rows = conn.execute("SELECT event_id::text AS e, extract(epoch FROM created_at) AS t "
+                            "FROM outbox WHERE topic = %s", (topic,)).fetchall()
+    return {r["e"]: float(r["t"]) for r in rows}
+
+
+def unpublished(url: str) -> int:
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute("SELECT count(*) FROM outbox WHERE published_at IS NULL").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def wait_drained(url: str, timeout_s: float) -> float:
+    """Poll until no outbox row is unpublished; returns that moment (wall clock)."""
+    deadline = time.monotonic() + timeout_s
+    with psycopg.connect(url, autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            row = conn.execute(Q["outbox_backlog"]).fetchone()
+            if row is not None and row[0] == 0:
+                return time.time()
+            time.sleep(0.01)
+    raise TimeoutError(f"outbox not drained after {timeout_s}s")
+
+
+def drain(settings: Settings, args: argparse.Namespace, logdir: Path, label: str,
+          relays: int) -> dict[str, Any]:
+    """Fill the outbox with ``args.n`` rows for ``<prefix>bench.<label>``, then drain it with
+    ``relays`` relay processes."""
+    topic = settings.topic(f"bench.{label}")
+    create_topics(settings, [topic], partitions=settings.topic_partitions, config=TOPIC_CONFIG)
+    log(f"{label}: {args.writers} writers commit {args.n} outbox rows")
+    w = write_outbox(settings.database_url, topic, args.n, writers=args.writers,
+                     rows_per_tx=args.rows_per_tx)
+    log(f"{label}: committed in {w['elapsed_s']:.1f}s; starting {relays} relay(s)")
+    col = Collector(settings, topic, args.n, settings.topic_partitions)
+    col.start()
+    procs = [start_cli(settings, logdir, f"{label}-relay{i}", "relay", log_level="info")
+             for i in range(relays)]
+    try:
+        t_drained = wait_drained(settings.database_url, args.timeout)
+        col.wait(60)
+    finally:
+        stop(procs)
+    if len(col.seen) < args.n:
+        raise RuntimeError(f"{label}: only {len(col.seen)} of {args.n} messages on {topic}")
+    first = min(col.seen.values()) / 1000
+    last = max(col.seen.values()) / 1000
+    logs = [(logdir / f"{label}-relay{i}.log").read_text(errors="replace")
+            for i in range(relays)]
+    return {
+        "rows": args.n, "relays": relays,
+        "events_per_s": round(args.n / (t_drained - first)),
+        "produce_span_events_per_s": round(args.n / max(last - first, 1e-3)),
+        "drain_s": round(t_drained - first, 3),
+        "messages_on_topic": col.copies,
+        "relays_that_stood_by": sum("standing by" in t for t in logs),
+        "writers": {"processes": args.writers, "rows_per_tx": args.rows_per_tx,
+                    "commit_rate_per_s": round(args.n / w["elapsed_s"])},
+        "_topic": topic,
+    }
+
+
+def raw_messages(url: str, topic: str) -> list[tuple[str, bytes, list[tuple[str, bytes]]]]:
+    """``(key, value, headers)`` of every outbox row of ``topic`` in id order."""
+    with connect(url) as conn:
+        rows = conn.execute("SELECT kafka_key, payload, headers FROM outbox WHERE topic = %s "
+                            "ORDER BY id", (topic,)).fetchall()
+    return [(r["kafka_key"], bytes(r["payload"]),
+             [(k, str(v).encode()) for k, v in r["headers"].items()]) for r in rows]
+
+
+def raw_produce(settings: Settings, topic: str,
+                msgs: list[tuple[str, bytes, list[tuple[str, bytes]]]],
+                rate: float | None = None) -> dict[str, Any]:
+    """Send ``msgs`` with a plain producer (the relay's config); paced at ``rate`` events/s
+    if given. Returns the elapsed time and the produce() call time of each event id."""
+    p = Producer(producer_config(settings, **{"client.id": "bench-raw"}))
+    p.list_topics(topic, timeout=10)  # connection + metadata before the clock starts
+    errors: list[Any] = []
+    sent: dict[str, float] = {}
+
+    def cb(err: Any, _m: Any) -> None:
+        if err is not None:
+            errors.append(err)
+
+    start = time.monotonic()
+    for i, (key, value, headers) in enumerate(msgs):
+        if rate:
+            delay = start + i / rate - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+        eid = next(v.decode() for k, v in headers if k == "event_id")
+        sent[eid] = time.time()
+        while True:
+            try:
+                p.produce(topic, value=value, key=key, headers=headers, on_delivery=cb)
+                break
+            except BufferError:
+                p.poll(0.05)
+        p.poll(0)
+    left = p.flush(60)
+    elapsed = time.monotonic() - start
+    if left or errors:
+        raise RuntimeError(f"raw producer: {left} undelivered, errors {errors[:3]}")
+    return {"elapsed_s": elapsed, "sent": sent}
+
+
+def raw_baseline(settings: Settings, source_topic: str, n: int) -> dict[str, Any]:
+    topic = settings.topic("bench.raw")
+    create_topics(settings, [topic], partitions=settings.topic_partitions, config=TOPIC_CONFIG)
+    msgs = raw_messages(settings.database_url, source_topic)
+    r = raw_produce(settings, topic, msgs)
+    return {"rows": n, "events_per_s": round(n / r["elapsed_s"]),
+            "elapsed_s": round(r["elapsed_s"], 3),
+            "producer_config": {k: v for k, v in producer_config(settings).items()
+                                if k != "bootstrap.servers"}}
+
+
+def wait_relay_active(settings: Settings, topic: str, timeout_s: float = 60.0) -> None:
+    """Insert one probe row for ``topic`` and wait until a relay published it: the relay holds
+    the lock and its producer knows the topic's partitions and leaders (a first produce to a
+    topic waits for that metadata, which is no part of the steady-state latency)."""
+    with connect(settings.database_url) as conn, conn.transaction():
+        Store.add_outbox(conn, make_message(topic))
+    wait_drained(settings.database_url, timeout_s)
+
+
+def latency(settings: Settings, args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
+    """Offered load ``args.rate`` events/s for ``args.seconds`` through one running relay."""
+    topic = settings.topic("bench.latency")
+    create_topics(settings, [topic], partitions=settings.topic_partitions, config=TOPIC_CONFIG)
+    n = int(args.rate * args.seconds)
+    relay = start_cli(settings, logdir, "latency-relay", "relay")
+    try:
+        wait_relay_active(settings, topic)
+        col = Collector(settings, topic, n + 1, settings.topic_partitions)  # + the probe
+        col.start()
+        log(f"latency: {args.rate:.0f} events/s for {args.seconds}s through one relay")
+        w = write_outbox(settings.database_url, topic, n, writers=args.latency_writers,
+                         rows_per_tx=1, rate=args.rate)
+        wait_drained(settings.database_url, args.timeout)
+        col.wait(60)
+    finally:
+        stop([relay])
+    created = created_at(settings.database_url, topic)
+    lat = [col.seen[e] - c * 1000 for e, c in created.items()
+           if e in col.seen and e in w["committed"]]  # not the probe
+    lat_commit = [col.seen[e] - c * 1000 for e, c in w["committed"].items() if e in col.seen]
+    achieved = n / w["elapsed_s"]
+    # Raw baseline at the same offered load: produce() call -> broker append time.
+    raw_topic = settings.topic("bench.raw_latency")
+    create_topics(settings, [raw_topic], partitions=settings.topic_partitions,
+                  config=TOPIC_CONFIG)
+    msgs = [m for m in raw_messages(settings.database_url, topic)
+            if dict(m[2])["event_id"].decode() in w["committed"]]
+    rcol = Collector(settings, raw_topic, len(msgs), settings.topic_partitions)
+    rcol.start()
+    r = raw_produce(settings, raw_topic, msgs, rate=args.rate)
+    rcol.wait(60)
+    raw_lat = [rcol.seen[e] - t * 1000 for e, t in r["sent"].items() if e in rcol.seen]
+    return {
+        "offered_events_per_s": args.rate, "writer_processes": args.latency_writers,
+        "achieved_commit_rate_per_s": round(achieved),
+        "events": n, "received": len(lat),
+        "commit_to_kafka": latency_summary(lat),
+        "commit_returned_to_kafka": latency_summary(lat_commit),
+        "raw_produce_to_kafka": latency_summary(raw_lat),
+        "_lat": lat, "_raw_lat": raw_lat,
+    }
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    plt = pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    names = ["raw producer", "1 relay", "2 relays (1 active)"]
+    vals = [result["raw_producer"]["events_per_s"], result["drain_1_relay"]["events_per_s"],
+            result["drain_2_relays"]["events_per_s"]]
+    ax1.bar(names, vals, color=["grey", "tab:blue", "tab:cyan"])
+    ax1.axhline(20000, color="red", ls="--", lw=1, label="target 20k/s")
+    ax1.set_ylabel("events/s")
+    ax1.set_title(f"throughput, {result['params']['n']} rows")
+    ax1.legend()
+    lat = result["latency_1k"]
+    for key, label in (("_lat", "relay: commit -> broker"), ("_raw_lat", "raw: produce -> broker")):
+        xs = sorted(lat[key])
+        if xs:
+            ax2.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label)
+    ax2.axvline(50, color="red", ls="--", lw=1, label="target p99 50 ms")
+    ax2.set_xscale("symlog")
+    ax2.set_xlabel("latency (ms)")
+    ax2.set_ylabel("fraction of events")
+    ax2.set_title(f"latency CDF at {lat['offered_events_per_s']:.0f} events/s offered")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    p = base_parser(__doc__.split("\n", 1)[0])
+    p.add_argument("--n", type=float, default=1e4, help="rows per drain (1e4..1e6)")
+    p.add_argument("--writers", type=int, default=4, help="concurrent writer processes")
+    p.add_argument("--rows-per-tx", type=int, default=1, help="outbox rows per transaction")
+    p.add_argument("--latency-writers", type=int, default=4,
+                   help="writer processes of the latency run (one row per transaction)")
+    p.add_argument("--rate", type=float, default=1000.0, help="offered load for latency")
+    p.add_argument("--seconds", type=float, default=10.0, help="duration of the latency run")
+    p.add_argument("--relay-batch-size", type=int, help="override relay_batch_size")
+    p.add_argument("--timeout", type=float, default=900.0, help="max seconds per drain")
+    p.add_argument("--skip", default="", help="comma list of scenarios to skip: "
+                   "drain_2_relays,latency_1k")
+    args = p.parse_args()
+    args.n = int(args.n)
+    skip = set(filter(None, args.skip.split(",")))
+    kw = {} if args.relay_batch_size is None else {"relay_batch_size": args.relay_batch_size}
+    result: dict[str, Any] = {"benchmark": "relay", "machine": machine(),
+                              "params": {k: v for k, v in vars(args).items() if k != "plot"}}
+    logdir = Path(mkdtemp(prefix="bench-relay-"))
+    with isolated(args, "relay", relay_poll_interval_s=1.0, **kw) as s:
+        result["params"]["relay_batch_size"] = s.relay_batch_size
+        one = drain(s, args, logdir, "relay1", 1)
+        result["drain_1_relay"] = one
+        log(f"1 relay: {one['events_per_s']} events/s; raw baseline with the same messages")
+        raw = raw_baseline(s, one.pop("_topic"), args.n)
+        result["raw_producer"] = raw
+        result["relay_vs_raw_ratio"] = round(one["events_per_s"] / raw["events_per_s"], 3)
+        log(f"raw: {raw['events_per_s']} events/s, ratio {result['relay_vs_raw_ratio']}")
+        if "drain_2_relays" not in skip:
+            two = drain(s, args, logdir, "relay2", 2)
+            two.pop("_topic")
+            result["drain_2_relays"] = two
+            log(f"2 relays: {two['events_per_s']} events/s")
+        if "latency_1k" not in skip:
+            result["latency_1k"] = latency(s, args, logdir)
+            log(f"latency: {result['latency_1k']['commit_to_kafka']}")
+    result["machine"]["loadavg_after"] = list(__import__("os").getloadavg())
+    targets = {"relay_events_per_s>=20000": one["events_per_s"] >= 20000,
+               "relay>=50%_of_raw": result["relay_vs_raw_ratio"] >= 0.5}
+    if "latency_1k" in result:
+        p99 = result["latency_1k"]["commit_to_kafka"]["p99_ms"]
+        targets["commit_to_kafka_p99<=50ms_at_1k"] = p99 is not None and p99 <= 50
+    result["targets_met"] = targets
+    if args.plot and "latency_1k" in result and "drain_2_relays" in result:
+        plot(result, args.plot)
+        result["plot"] = args.plot
+    for sc in ("latency_1k",):
+        if sc in result:
+            result[sc] = {k: v for k, v in result[sc].items() if not k.startswith("_")}
+    result["relay_logs"] = str(logdir)
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,276 @@
+"""Generate the AsyncAPI 3.0 document of jobstream's topics from the pydantic models.
+
+``python -m schemas.asyncapi`` writes ``schemas/asyncapi.json``; ``--check`` exits 1 when the
+committed file differs from what the models and topic lists generate (drift). ``jobstream
+schemas`` (``schemas.generate``) writes and checks it together with the JSON Schema files.
+
+The document describes jobstream as the application: the topics it receives (``document.uploaded``
+from other services and the stage topics), the topics it sends (the stage topics, ``job.ready``,
+``job.failed``), every ``.retry`` and ``.dlq`` twin, the message payloads (the event models'
+JSON Schemas under ``components.schemas``), the Kafka key of each topic and the headers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic.json_schema import models_json_schema
+
+from jobstream.kafka import CONSUMED_TOPICS, LANE_TOPICS, PIPELINE_TOPICS, STAGE_TOPICS
+from schemas.events import EVENT_MODELS, SCHEMA_VERSION
+
+OUT = Path(__file__).parent / "asyncapi.json"
+KAFKA_BINDING_VERSION = "0.5.0"
+
+#: Headers the outbox relay writes on every event (``jobstream.store.outbox_message``).
+EVENT_HEADERS: dict[str, str] = {
+    "event_type": "The event type, e.g. job.ready (same as the value's event_type).",
+    "schema_version": "Version of the event's schema (same as the value's schema_version).",
+    "event_id": "UUID of this event (same as the value's event_id).",
+    "request_id": "Ties the logs and traces of one run together (tracing only).",
+    "tenant_id": "The tenant (same as the value's tenant_id).",
+    "content-type": "Always application/json.",
+}
+#: Headers of job events only (``job.*``: a job exists).
+JOB_HEADERS: dict[str, str] = {
+    "job_id": "UUID of the job; also the Kafka key.",
+    "dedup_key": "sha256 of the computation's inputs; consumers record (group, dedup_key, "
+                 "event_type) to apply the event exactly once.",
+}
+#: Headers a message carries on a ``<topic>.retry`` twin (``streams/base.py``).
+RETRY_HEADERS: dict[str, str] = {
+    "retry_count": "Retry round of this copy (1-based).",
+    "retry_not_before_ms": "Unix time (ms) before which the retry agent does not run it.",
+    "retry_reason": "The transient failure that sent it here.",
+    "retry_original_topic": "The topic the message was first consumed from.",
+}
+#: Headers a dead-lettered message carries on a ``<topic>.dlq`` twin.
+DLQ_HEADERS: dict[str, str] = {
+    "dlq_reason_code": "Why it was dead-lettered (not_json, schema_violation, "
+                       "unexpected_event_type, idempotency_key_conflict, unhandled, ...).",
+    "dlq_reason": "Human-readable reason (at most 2000 characters).",
+    "dlq_original_topic": "Topic the message was consumed from.",
+    "dlq_original_partition": "Its partition there.",
+    "dlq_original_offset": "Its offset there.",
+}
+#: Header of a message re-produced by ``jobstream dlq replay``.
+REPLAY_HEADERS: dict[str, str] = {
+    "dlq_replayed_from": "<dlq topic>:<partition>:<offset> of the dead letter it was "
+                         "replayed from.",
+}
+
+#: Who produces / consumes each topic, for the operations' descriptions.
+PRODUCED_BY = {
+    "document.uploaded": "other services (jobstream submit for tests and demos)",
+    "job.accepted": "intake",
+    "job.text_extracted": "extraction",
+    "job.chunks_ready": "chunking (interactive lane)",
+    "job.chunks_ready.batch": "chunking (batch lane)",
+    "job.llm_done": "the LLM stage",
+    "job.validated": "validation",
+    "job.ready": "publication",
+    "job.failed": "any stage (a job that ended without a result)",
+}
+CONSUMED_BY = {
+    "document.uploaded": "intake",
+    "job.accepted": "extraction",
+    "job.text_extracted": "chunking",
+    "job.chunks_ready": "the LLM stage of the interactive lane (agent llm)",
+    "job.chunks_ready.batch": "the LLM stage of the batch lane (agent llm_batch)",
+    "job.llm_done": "validation",
+    "job.validated": "publication",
+    "job.ready": "downstream services (consumers/ready_applier.py is the example)",
+}
+
+
+def _id(topic: str) -> str:
+    """A component/channel id for a topic name: dots become underscores."""
+    return topic.replace(".", "_").replace("-", "_")
+
+
+def _event_headers(topic: str) -> dict[str, str]:
+    """The routing headers of an event of ``topic`` (the original headers, kept on retries
+    and dead letters)."""
+    return {**EVENT_HEADERS, **(JOB_HEADERS if topic != "document.uploaded" else {})}
+
+
+def _headers(names: dict[str, str], required: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {"type": "object",
+            "properties": {k: {"type": "string", "description": v} for k, v in names.items()},
+            **({"required": list(required)} if required else {})}
+
+
+def _key(topic: str) -> dict[str, Any]:
+    if topic == "document.uploaded":
+        return {"type": "string", "description": "The event's idempotency_key (no job "
+                "exists yet); keeps copies of one intent on one partition."}
+    return {"type": "string", "format": "uuid",
+            "description": "job_id: every event of a job on one partition (per-job order)."}
+
+
+def render() -> dict[str, Any]:
+    """The AsyncAPI 3.0 document as a dict (deterministic)."""
+    _, top = models_json_schema([(m, "serialization") for m in EVENT_MODELS.values()],
+                                ref_template="#/components/schemas/{model}")
+    schemas: dict[str, Any] = dict(sorted(top["$defs"].items()))
+    model_name = {t: m.__name__ for t, m in EVENT_MODELS.items()}
+
+    messages: dict[str, Any] = {}
+    channels: dict[str, Any] = {}
+    operations: dict[str, Any] = {}
+    topic_binding = {"kafka": {"bindingVersion": KAFKA_BINDING_VERSION,
+                               "topicConfiguration": {"cleanup.policy": ["delete"]}}}
+
+    for topic in PIPELINE_TOPICS:
+        job_event = topic != "document.uploaded"
+        headers = {**_event_headers(topic), **REPLAY_HEADERS}
+        required = (tuple(EVENT_HEADERS) + tuple(JOB_HEADERS)) if job_event else ()
+        mid = _id(topic)
+        etype = {v: k for k, v in LANE_TOPICS.items()}.get(topic, topic)  # lane topics
+        model = EVENT_MODELS[etype]
+        messages[mid] = {
+            "name": topic, "title": topic,
+            "summary": (model.__doc__ or topic).strip().splitlines()[0],
+            "contentType": "application/json",
+            "headers": _headers(headers, required),
+            "payload": {"$ref": f"#/components/schemas/{model_name[etype]}"},
+            "correlationId": {"location": "$message.header#/request_id",
+                              "description": "request_id: one attempt chain, for tracing."},
+            "bindings": {"kafka": {"key": _key(topic),
+                                   "bindingVersion": KAFKA_BINDING_VERSION}},
+        }
+        if not job_event:
+            messages[mid]["description"] = (
+                "Produced by other services. Headers are optional here; validate the value "
+                f"against schemas/json/document.uploaded.v{SCHEMA_VERSION}.schema.json "
+                "before producing.")
+        channels[mid] = {
+            "address": topic, "title": topic,
+            "description": f"Produced by {PRODUCED_BY[topic]}"
+                           + (f"; consumed by {CONSUMED_BY[topic]}." if topic in CONSUMED_BY
+                              else "; not consumed by jobstream."),
+            "messages": {mid: {"$ref": f"#/components/messages/{mid}"}},
+            "bindings": topic_binding,
+        }
+        if topic != "document.uploaded":
+            operations[f"send_{mid}"] = {
+                "action": "send", "channel": {"$ref": f"#/channels/{mid}"},
+                "summary": f"{PRODUCED_BY[topic]} writes it to the outbox; the relay "
+                           "publishes it (at-least-once, idempotent producer, acks=all).",
+                "messages": [{"$ref": f"#/channels/{mid}/messages/{mid}"}]}
+        if topic in CONSUMED_TOPICS:
+            operations[f"receive_{mid}"] = {
+                "action": "receive", "channel": {"$ref": f"#/channels/{mid}"},
+                "summary": f"{CONSUMED_BY[topic]}: applied exactly once per (consumer group, "
+                           "dedup_key, event_type)" if job_event else
+                           "intake: one job per (tenant, idempotency_key) and per dedup_key.",
+                "messages": [{"$ref": f"#/channels/{mid}/messages/{mid}"}]}
+
+    for topic in STAGE_TOPICS:
+        twin, src = f"{topic}.retry", _id(topic)
+        mid = _id(twin)
+        messages[mid] = {
+            "name": twin, "title": twin,
+            "summary": f"A {topic} message whose processing failed transiently, to be "
+                       "retried after retry_not_before_ms.",
+            "contentType": "application/json",
+            "headers": _headers({**_event_headers(topic), **RETRY_HEADERS},
+                                tuple(RETRY_HEADERS)),
+            "payload": {"$ref": f"#/components/schemas/{model_name[etype]}"},
+            "bindings": messages[src]["bindings"],
+        }
+        channels[mid] = {
+            "address": twin, "title": twin,
+            "description": f"Transient failures of {topic}: the same key and value bytes; "
+                           "the stage workers' retry agent re-runs them.",
+            "messages": {mid: {"$ref": f"#/components/messages/{mid}"}},
+            "bindings": topic_binding}
+        for action in ("send", "receive"):
+            operations[f"{action}_{mid}"] = {
+                "action": action, "channel": {"$ref": f"#/channels/{mid}"},
+                "messages": [{"$ref": f"#/channels/{mid}/messages/{mid}"}]}
+
+    for topic in CONSUMED_TOPICS:
+        twin = f"{topic}.dlq"
+        mid = _id(twin)
+        messages[mid] = {
+            "name": twin, "title": twin,
+            "summary": f"A dead-lettered message of {topic}: the original key and value "
+                       "bytes (possibly not JSON at all) with the reason in headers.",
+            "headers": _headers({**_event_headers(topic), **DLQ_HEADERS},
+                                tuple(DLQ_HEADERS)),
+            "payload": {"description": "The original value bytes, unchanged (the "
+                                       f"{model_name[etype]} schema when it was valid JSON)."},
+            "bindings": {"kafka": {"key": {"type": "string",
+                                           "description": "The original key, unchanged."},
+                                   "bindingVersion": KAFKA_BINDING_VERSION}},
+        }
+        channels[mid] = {
+            "address": twin, "title": twin,
+            "description": f"Poison messages of {topic} (undecodable, schema-violating, "
+                           "refused); `jobstream dlq list|replay` reads them.",
+            "messages": {mid: {"$ref": f"#/components/messages/{mid}"}},
+            "bindings": topic_binding}
+        operations[f"send_{mid}"] = {
+            "action": "send", "channel": {"$ref": f"#/channels/{mid}"},
+            "messages": [{"$ref": f"#/channels/{mid}/messages/{mid}"}]}
+        operations[f"receive_{mid}"] = {
+            "action": "receive", "channel": {"$ref": f"#/channels/{mid}"},
+            "summary": "jobstream dlq replay: re-produces a dead letter to its original "
+                       "topic with the dlq_replayed_from header.",
+            "messages": [{"$ref": f"#/channels/{mid}/messages/{mid}"}]}
+
+    return {
+        "asyncapi": "3.0.0",
+        "info": {
+            "title": "jobstream events",
+            "version": f"{SCHEMA_VERSION}.0.0",
+            "description": (
+                "Documents in (document.uploaded), LLM results out (job.ready), applied "
+                "exactly once. Values are JSON envelopes (event_id, event_type, "
+                "schema_version, occurred_at, tenant_id, idempotency_key, request_id, "
+                "payload; job events add job_id, dedup_key and generation). Every topic name "
+                "takes the deployment's JOBSTREAM_TOPIC_PREFIX. Generated from schemas/ by "
+                "`python -m schemas.asyncapi`; do not edit by hand."),
+            "license": {"name": "Apache-2.0"},
+        },
+        "defaultContentType": "application/json",
+        "servers": {
+            "local": {"host": "127.0.0.1:9092", "protocol": "kafka",
+                      "description": "`jobstream services up` (KRaft, one node)"},
+            "compose": {"host": "kafka:9092", "protocol": "kafka",
+                        "description": "docker-compose.yml's broker, inside the network"},
+        },
+        "channels": channels,
+        "operations": operations,
+        "components": {"messages": messages, "schemas": schemas},
+    }
+
+
+def render_text() -> str:
+    """The document as committed: JSON, 2-space indent, trailing newline."""
+    return json.dumps(render(), indent=2) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write (or with ``--check`` compare) ``schemas/asyncapi.json``; returns the exit code."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--check", action="store_true", help="fail if the committed file drifted")
+    args = parser.parse_args(argv)
+    text = render_text()
+    if args.check:
+        if not OUT.exists() or OUT.read_text() != text:
+            print(f"AsyncAPI drift: {OUT.name} differs from the models; run "
+                  "python -m schemas.asyncapi", file=sys.stderr)
+            return 1
+        return 0
+    OUT.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""The idempotent consumer's batch path on real Kafka + Postgres: one transaction per batch,
+duplicates inside and across batches, poison messages, a handler that refuses one event, and a
+SIGKILL between the batch's commit and its offsets."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+
+from consumers.idempotent import IdempotentConsumer
+from consumers.ready_applier import apply_ready, apply_ready_batch, build
+from jobstream.errors import PoisonMessage
+from jobstream.producer import produce_raw
+from jobstream.settings import Settings
+from schemas.events import DocumentAnalysis, JobReady, JobReadyPayload, encode_event
+from tests.helpers import ProcessRunner, query, read_topic, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def _ready(tenant: str, name: str) -> JobReady:
+    return JobReady(
+        tenant_id=tenant, idempotency_key=name, job_id=uuid.uuid4(),
+        dedup_key=uuid.uuid4().hex * 2,
+        payload=JobReadyPayload(
+            result=DocumentAnalysis(title=name, summary="s", keywords=["a", "b"],
+                                    word_count=1, chunk_count=1, fields={"k": "v"}),
+            document_sha256="a" * 64, filename=name, cost_usd=0.0, charge_usd=0.01))
+
+
+def _produce(settings: Settings, events: list[JobReady | bytes]) -> None:
+    """One partition's worth of order: every message gets the same key."""
+    produce_raw(settings, settings.topic("job.ready"),
+                [(b"k", e if isinstance(e, bytes) else encode_event(e)) for e in events])
+
+
+def _applied(settings: Settings, tenant: str) -> dict[str, int]:
+    rows = query(settings.database_url,
+                 "SELECT filename, count(*) AS n FROM downstream.document_analysis "
+                 "WHERE tenant_id = %s GROUP BY filename", (tenant,))
+    charges = query(settings.database_url,
+                    "SELECT count(*) AS n FROM downstream.ledger_charge WHERE tenant_id = %s",
+                    (tenant,))[0]["n"]
+    out = {r["filename"]: r["n"] for r in rows}
+    assert charges == sum(out.values()), (charges, out)
+    return out
+
+
+def _run_until(consumer: IdempotentConsumer, handled: int, timeout_s: float = 60) -> None:
+    t = threading.Thread(target=consumer.run, daemon=True)
+    t.start()
+    st = consumer.stats
+    wait_for(lambda: st.applied + st.duplicates + st.dead_lettered >= handled, timeout_s,
+             f"{handled} messages handled (stats {st})")
+    time.sleep(0.5)
+    consumer.stop()
+    t.join(30)
+
+
+def test_a_batch_applies_each_event_once_and_dead_letters_poison(settings: Settings) -> None:
+    a, b, c = (_ready("acme", n) for n in ("a", "b", "c"))
+    _produce(settings, [a, b, a, b"not json", c, b, a])
+    consumer = build(settings)
+    sizes: list[int] = []
+    batch = consumer.process_batch
+    consumer.process_batch = lambda msgs: (sizes.append(len(msgs)), batch(msgs))[1]  # type: ignore[method-assign]
+    _run_until(consumer, 7)
+    assert max(sizes) > 1, f"no batch was formed: {sizes}"
+    assert _applied(settings, "acme") == {"a": 1, "b": 1, "c": 1}
+    assert (consumer.stats.applied, consumer.stats.duplicates,
+            consumer.stats.dead_lettered) == (3, 3, 1)
+    dlq = read_topic(settings, settings.topic("job.ready.dlq"))
+    assert [m.value() for m in dlq] == [b"not json"]
+    processed = query(settings.database_url, "SELECT count(*) AS n FROM processed_event")
+    assert processed[0]["n"] == 3
+    # A second run of the same group has nothing left: the offsets were committed.
+    again = build(settings)
+    again.run(idle_exit_s=8)
+    assert (again.stats.applied, again.stats.duplicates) == (0, 0)
+
+
+@pytest.mark.parametrize("batched_handler", [True, False])
+def test_a_refused_event_rolls_back_the_batch_and_costs_only_itself(
+        settings: Settings, batched_handler: bool) -> None:
+    def handler(conn: psycopg.Connection, ev: Any) -> None:
+        if ev.payload.filename == "bad":
+            raise PoisonMessage("refused by the handler", code="refused")
+        apply_ready(conn, ev)
+
+    def batch_handler(conn: psycopg.Connection, events: list[Any]) -> None:
+        if any(ev.payload.filename == "bad" for ev in events):
+            raise PoisonMessage("refused by the handler", code="refused")
+        apply_ready_batch(conn, events)
+
+    events = [_ready("acme", n) for n in ("a", "b", "bad", "c")]
+    _produce(settings, [*events, events[0]])
+    consumer = IdempotentConsumer(
+        settings, group=settings.group("test-refuse"), topics=[settings.topic("job.ready")],
+        event_types=("job.ready",), handler=handler,
+        batch_handler=batch_handler if batched_handler else None)
+    _run_until(consumer, 5)
+    assert _applied(settings, "acme") == {"a": 1, "b": 1, "c": 1}
+    assert consumer.stats.dead_lettered == 1
+    dlq = read_topic(settings, settings.topic("job.ready.dlq"))
+    assert len(dlq) == 1
+    assert dict(dlq[0].headers())["dlq_reason_code"] == b"refused"
+    # The refused event left no idempotent-consumer row behind (its transaction rolled back).
+    rows = query(settings.database_url, "SELECT dedup_key FROM processed_event")
+    assert events[2].dedup_key not in {r["dedup_key"] for r in rows}
+
+
+def test_killed_after_the_batch_commit_before_offsets_applies_nothing_twice(
+        settings: Settings, procs: ProcessRunner) -> None:
+    events = [_ready("acme", f"d{i}") for i in range(50)]
+    _produce(settings, list(events))
+    first = procs.start("consume-ready", JOBSTREAM_FAULT="consumer_after_apply_before_offset")
+    wait_for(lambda: first.popen.poll() is not None, 60, "the consumer to be killed",
+             procs.logs)
+    assert first.popen.returncode == -9, procs.logs()
+    applied = _applied(settings, "acme")
+    assert applied and set(applied.values()) == {1}
+    procs.start("consume-ready", name="consume-ready-restarted")
+    wait_for(lambda: len(_applied(settings, "acme")) == 50, 60, "all 50 applied", procs.logs)
+    time.sleep(2)  # every redelivered copy has been seen by now
+    assert set(_applied(settings, "acme").values()) == {1}

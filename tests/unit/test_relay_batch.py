@@ -1,0 +1,90 @@
+"""OutboxRelay.publish_batch with a fake connection and producer (no services needed): rows
+go out as they are, non-string header values are stringified, and rows are marked only after
+every delivery succeeded."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from jobstream.db import QUERIES as Q
+from jobstream.settings import Settings
+from outbox_relay.relay import DeliveryFailed, OutboxRelay
+
+
+class FakeConn:
+    def __init__(self, rows: list[tuple[Any, ...]]) -> None:
+        self.rows = rows
+        self.executed: list[tuple[str, Any]] = []
+
+    @contextmanager
+    def transaction(self) -> Any:
+        yield
+
+    @contextmanager
+    def cursor(self, **_: Any) -> Any:
+        conn = self
+
+        class Cur:
+            def execute(self, q: str, params: Any) -> Any:
+                conn.executed.append((q, params))
+                return self
+
+            def fetchall(self) -> list[tuple[Any, ...]]:
+                return conn.rows
+
+        yield Cur()
+
+    def execute(self, q: str, params: Any = None) -> None:
+        self.executed.append((q, params))
+
+
+class FakeProducer:
+    def __init__(self, fail: bool = False) -> None:
+        self.sent: list[dict[str, Any]] = []
+        self.fail = fail
+        self._cbs: list[Any] = []
+
+    def produce(self, topic: str, *, value: bytes, key: str, headers: dict[str, str],
+                on_delivery: Any) -> None:
+        if any(not isinstance(v, str) for v in headers.values()):
+            raise TypeError("expected header value to be None, binary, or unicode string")
+        self.sent.append({"topic": topic, "value": value, "key": key, "headers": headers})
+        self._cbs.append(on_delivery)
+
+    def poll(self, _t: float) -> int:
+        return 0
+
+    def flush(self, _t: float) -> int:
+        for cb in self._cbs:
+            cb("broker said no" if self.fail else None, None)
+        self._cbs.clear()
+        return 0
+
+
+def _relay(producer: FakeProducer) -> OutboxRelay:
+    relay = OutboxRelay(Settings(kafka_bootstrap_servers="127.0.0.1:1"))
+    relay._producer = producer  # type: ignore[assignment]
+    return relay
+
+
+ROWS = [(1, "t", "k1", b"v1", {"event_id": "e1", "schema_version": "1"}, "job.ready"),
+        (2, "t", "k2", b"v2", {"event_id": "e2", "schema_version": 1}, "job.ready")]
+
+
+def test_rows_are_sent_in_order_then_marked() -> None:
+    conn, producer = FakeConn(ROWS), FakeProducer()
+    assert _relay(producer).publish_batch(conn) == 2  # type: ignore[arg-type]
+    assert [m["key"] for m in producer.sent] == ["k1", "k2"]
+    assert producer.sent[1]["headers"] == {"event_id": "e2", "schema_version": "1"}
+    assert conn.executed[-2][0] == Q["relay_mark_async_commit"]
+    assert conn.executed[-1] == (Q["outbox_mark_published"], ([1, 2],))
+
+
+def test_nothing_is_marked_when_a_delivery_failed() -> None:
+    conn, producer = FakeConn(ROWS), FakeProducer(fail=True)
+    with pytest.raises(DeliveryFailed):
+        _relay(producer).publish_batch(conn)  # type: ignore[arg-type]
+    assert all(q != Q["outbox_mark_published"] for q, _ in conn.executed)

@@ -185,6 +185,11 @@ class IdempotentConsumer:
             outcomes[i] = "dead_lettered"
         self.stats.applied += outcomes.count("applied")
         self.stats.duplicates += outcomes.count("duplicate")
+        if log.isEnabledFor(logging.DEBUG):
+            for msg, outcome in zip(msgs, outcomes, strict=True):
+                with logs.message_scope(msg.headers(), group=self.group):
+                    log.debug("%s %s[%d]@%d", outcome, msg.topic(), msg.partition(),
+                              msg.offset())
         return outcomes
 
     def _retrying(self, fn: Callable[[], Any]) -> bool:
@@ -210,7 +215,6 @@ class IdempotentConsumer:
             outcome: list[str] = []
             if not self._retrying(lambda m=msg, o=outcome: o.append(self.process(m))):
                 return False  # stopping: the offset of the unprocessed message is not stored
-            log.debug("%s %s[%d]@%d", outcome[0], msg.topic(), msg.partition(), msg.offset())
             faults.point("consumer_after_apply_before_offset")
             self._store_offset(msg)
         return True

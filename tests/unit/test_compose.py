@@ -57,7 +57,8 @@ def test_services_run_existing_commands_with_known_settings() -> None:
     doc = _compose()
     commands = set(cli.commands)
     ours = {n: s for n, s in doc["services"].items() if s.get("image") == "jobstream:dev"}
-    assert {"init", "relay", "worker", "downstream"} <= set(ours)
+    assert {"init", "relay", "worker-interactive", "worker-batch", "api",
+            "downstream"} <= set(ours)
     for name, svc in ours.items():
         words = " ".join(svc["command"]).split()
         used = [words[i + 1] for i, w in enumerate(words[:-1]) if w == "jobstream"]
@@ -77,7 +78,7 @@ def test_topics_are_created_at_start_up_with_configurable_partitions() -> None:
     # The broker never creates a topic on its own, so partitions come from init alone ...
     assert doc["services"]["kafka"]["environment"]["KAFKA_AUTO_CREATE_TOPICS_ENABLE"] == "false"
     # ... and every jobstream service starts after init succeeded, with the same setting.
-    for name in ("relay", "worker", "downstream"):
+    for name in ("relay", "worker-interactive", "worker-batch", "api", "downstream"):
         svc = doc["services"][name]
         assert svc["depends_on"]["init"]["condition"] == "service_completed_successfully"
         assert (svc["environment"]["JOBSTREAM_TOPIC_PARTITIONS"]

@@ -21,7 +21,17 @@ from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
+from fastapi import (
+    Depends,
+    FastAPI,
+    File,
+    Form,
+    Header,
+    HTTPException,
+    Request,
+    Response,
+    UploadFile,
+)
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -295,6 +305,33 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
             response.status_code = 200
             response.headers["Idempotent-Replayed"] = "true"
         return JobCreated(job_id=job_id, status=job_status(job_id))
+
+    @app.post("/v1/jobs/upload", status_code=202, response_model=JobCreated,
+              responses={200: {"model": JobCreated, "description": "replayed intent"},
+                         409: {"model": Problem}, 422: {"model": Problem}})
+    async def upload_job(t: Tenant, idempotency_key: IdemKey, response: Response,
+                         file: Annotated[UploadFile, File(description="The document.")],
+                         lane: Annotated[Literal["interactive", "batch"] | None,
+                                         Form()] = None,
+                         prompt_version: Annotated[str | None, Form()] = None,
+                         model_profile: Annotated[str | None, Form()] = None) -> JobCreated:
+        """Create a job from a multipart/form-data upload (``file`` plus optional fields);
+        the same rules as ``POST /v1/jobs``. PDFs are recognised by type or ``%PDF-``."""
+        data = await file.read()
+        if len(data) > settings.max_inline_document_bytes:
+            raise _problem(413, "document_too_large",
+                           f"{len(data)} bytes; the limit is {settings.max_inline_document_bytes}")
+        is_pdf = file.content_type == "application/pdf" or data[:5] == b"%PDF-"
+        req = JobRequest(filename=(file.filename or "document")[:512] or "document",
+                         content_b64=base64.b64encode(data).decode(),
+                         content_type="application/pdf" if is_pdf else "text/plain",
+                         lane=lane, prompt_version=prompt_version, model_profile=model_profile)
+        job_id, created = await asyncio.to_thread(
+            lambda: intake(event_for(t, idempotency_key, req)))
+        if not created:
+            response.status_code = 200
+            response.headers["Idempotent-Replayed"] = "true"
+        return JobCreated(job_id=job_id, status=await asyncio.to_thread(job_status, job_id))
 
     def view(t: str, job_id: uuid.UUID) -> JobView:
         with ctx.store.tx() as conn:

@@ -70,6 +70,17 @@ def test_idempotent_post_same_key_same_job_409_on_other_body_404_for_other_tenan
     assert query(settings.database_url, "SELECT count(*) AS n FROM job_request "
                  "WHERE idempotency_key = 'k20'")[0]["n"] == 1
 
+    up = httpx.post(f"{api}/v1/jobs/upload", headers={**ACME, "Idempotency-Key": "u1"},
+                    files={"file": ("gpl1.txt", (LICENSES / "GPL-1").read_bytes(),
+                                    "text/plain")}, data={"lane": "batch"}, timeout=30)
+    assert up.status_code == 202, up.text
+    again_up = httpx.post(f"{api}/v1/jobs/upload", headers={**ACME, "Idempotency-Key": "u1"},
+                          files={"file": ("gpl1.txt", (LICENSES / "GPL-1").read_bytes(),
+                                          "text/plain")}, data={"lane": "batch"}, timeout=30)
+    assert again_up.status_code == 200 and again_up.json()["job_id"] == up.json()["job_id"]
+    assert httpx.get(f"{api}/v1/jobs/{up.json()['job_id']}", headers=ACME).json()["lane"] \
+        == "batch"
+
     conflict = _post(api, "k1", {"filename": "bsd.txt", "text": "something else entirely"})
     assert conflict.status_code == 409 and conflict.json()["code"] == "idempotency_key_conflict"
 

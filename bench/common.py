@@ -28,7 +28,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from psycopg import sql
 
 from jobstream.db import migrate
-from jobstream.kafka import all_topics, base_config
+from jobstream.kafka import all_topics, base_config, delete_topics
 from jobstream.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,18 +127,9 @@ def create_topics(settings: Settings, names: Sequence[str], *, partitions: int,
 
 
 def delete_prefixed_topics(settings: Settings) -> None:
-    """Delete every topic of the run's prefix (best effort)."""
-    if not settings.topic_prefix:
-        return
-    admin = AdminClient(base_config(settings))
-    names = [t for t in admin.list_topics(timeout=15).topics
-             if t.startswith(settings.topic_prefix)]
-    if names:
-        for f in admin.delete_topics(names, operation_timeout=30).values():
-            try:
-                f.result(timeout=30)
-            except Exception as exc:  # best effort: report, keep going
-                print(f"warning: could not delete a topic: {exc}", file=sys.stderr)
+    """Delete every topic of the run's prefix (best effort; see jobstream.kafka)."""
+    if settings.topic_prefix:
+        delete_topics(settings)
 
 
 @contextmanager

@@ -33,7 +33,7 @@ from jobstream import faults, logs
 from jobstream.db import QUERIES as Q
 from jobstream.db import connect
 from jobstream.errors import PoisonMessage
-from jobstream.kafka import consumer_config, producer_config
+from jobstream.kafka import consumer_config, dlq_headers, producer_config
 from jobstream.settings import Settings
 from schemas.events import decode_event
 
@@ -93,11 +93,8 @@ class IdempotentConsumer:
 
     def _dead_letter(self, msg: Message, code: str, reason: str) -> None:
         kept = [(k, v) for k, v in (msg.headers() or []) if not k.startswith("dlq_")]
-        headers = kept + [("dlq_reason_code", code.encode()),
-                          ("dlq_reason", reason[:2000].encode()),
-                          ("dlq_original_topic", (msg.topic() or "").encode()),
-                          ("dlq_original_partition", str(msg.partition()).encode()),
-                          ("dlq_original_offset", str(msg.offset()).encode())]
+        headers = kept + list(dlq_headers(code, reason, msg.topic() or "",
+                                          msg.partition() or 0, msg.offset() or 0).items())
         self._dlq.produce(f"{msg.topic()}.dlq", value=msg.value(), key=msg.key(),
                           headers=headers)
         if self._dlq.flush(30):

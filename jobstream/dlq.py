@@ -2,7 +2,7 @@
 
 A dead-lettered message keeps the original key and value bytes; its headers say why and where
 it came from: ``dlq_reason_code``, ``dlq_reason``, ``dlq_original_topic``,
-``dlq_original_partition``, ``dlq_original_offset`` (``streams.base.dlq_headers``,
+``dlq_original_partition``, ``dlq_original_offset`` (``jobstream.kafka.dlq_headers``,
 ``consumers.idempotent``).
 
 Listing (:func:`list_dead_letters`) reads with an *assigned* consumer (no subscription, so it

@@ -30,6 +30,19 @@ CONSUMED_TOPICS = (*STAGE_TOPICS, "job.ready")
 LANE_TOPICS = {"job.chunks_ready": "job.chunks_ready.batch"}
 
 
+def dlq_headers(reason_code: str, reason: str, topic: str, partition: int,
+                offset: int) -> dict[str, bytes]:
+    """Headers of a dead-lettered message: the reason (``dlq_reason_code``, ``dlq_reason``,
+    at most 2000 characters) and where it came from (original topic, partition, offset)."""
+    return {
+        "dlq_reason_code": reason_code.encode(),
+        "dlq_reason": reason[:2000].encode(),
+        "dlq_original_topic": topic.encode(),
+        "dlq_original_partition": str(partition).encode(),
+        "dlq_original_offset": str(offset).encode(),
+    }
+
+
 def topic_for(event_type: str, lane: str | None) -> str:
     """Logical topic of an event of ``event_type`` for a job of ``lane``."""
     return LANE_TOPICS.get(event_type, event_type) if lane == "batch" else event_type

@@ -29,6 +29,7 @@ import faust
 
 from jobstream import faults, logs
 from jobstream.errors import OutcomeUnknown, PoisonMessage, RetryableError
+from jobstream.kafka import dlq_headers
 from jobstream.stages import SPECS, StageContext, give_up
 from schemas.events import decode_event
 
@@ -36,18 +37,6 @@ log = logging.getLogger("jobstream.streams")
 
 IN_PLACE_BASE_S = 0.5
 IN_PLACE_CAP_S = 5.0
-
-
-def dlq_headers(reason_code: str, reason: str, topic: str, partition: int,
-                offset: int) -> dict[str, bytes]:
-    """Headers of a dead-lettered message: the reason and where it came from."""
-    return {
-        "dlq_reason_code": reason_code.encode(),
-        "dlq_reason": reason[:2000].encode(),
-        "dlq_original_topic": topic.encode(),
-        "dlq_original_partition": str(partition).encode(),
-        "dlq_original_offset": str(offset).encode(),
-    }
 
 
 def _items(headers: Any) -> list[tuple[str, bytes]]:

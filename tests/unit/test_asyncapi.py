@@ -12,7 +12,7 @@ from jsonschema import Draft7Validator
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT7
 
-from jobstream.kafka import all_topics
+from jobstream.kafka import all_topics, dlq_headers
 from jobstream.settings import Settings
 from jobstream.store import outbox_message
 from schemas import asyncapi
@@ -23,7 +23,6 @@ from schemas.events import (
     JobFailed,
     JobFailedPayload,
 )
-from streams.base import dlq_headers
 
 SPEC = Path(__file__).parent / "data" / "asyncapi-3.0.0.schema.json"
 

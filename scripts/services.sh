@@ -647,8 +647,12 @@ write_pg_config() {
 listen_addresses = '127.0.0.1'
 port = $PG_PORT
 unix_socket_directories = '$PG_RUN'
-max_connections = 200
+max_connections = 300
 shared_buffers = 128MB
+# logical decoding for the Debezium relay (JOBSTREAM_RELAY=debezium); harmless for the Python relay
+wal_level = logical
+max_replication_slots = 10
+max_wal_senders = 10
 log_line_prefix = '%m [%p] %q%u@%d '
 log_timezone = 'UTC'
 timezone = 'UTC'

@@ -152,7 +152,7 @@ def postgres_families(snap: dict[str, list[dict[str, Any]]]) -> list[Metric]:
             in_flight.add_metric([profile], int(r["n"]))
             continue
         attempts.add_metric([r["outcome"], profile], int(r["n"]))
-        if r["outcome"] == "outcome_unknown":
+        if r["outcome"] in ("outcome_unknown", "abandoned"):  # abandoned: run died mid-call
             unknown_by[profile] += int(r["n"])
     for profile in sorted(cost_by):
         cost.add_metric([profile], cost_by[profile])

@@ -707,8 +707,11 @@ SELECT a.attempt_id, a.job_id, a.stage, a.chunk_idx, a.attempt, a.run_token, a.o
   FROM provider_attempt a JOIN job j USING (job_id) WHERE j.tenant_id = %s;
 
 -- name: inv_outbox
--- The outbox rows of a tenant's jobs (the Kafka key is the job id).
-SELECT o.id, o.event_id, o.event_type, o.kafka_key, o.published_at IS NOT NULL AS published
+-- The outbox rows of a tenant's jobs (the Kafka key is the job id), with the event's job
+-- generation (a re-drive writes the stage's input event again, one generation up).
+SELECT o.id, o.event_id, o.event_type, o.kafka_key, o.published_at IS NOT NULL AS published,
+       coalesce((convert_from(o.payload, 'UTF8')::jsonb ->> 'generation')::int, 0)
+           AS generation
   FROM outbox o JOIN job j ON o.kafka_key = j.job_id::text WHERE j.tenant_id = %s;
 
 -- name: inv_processed

@@ -35,6 +35,12 @@ def main(log_level: str) -> None:
     Configuration comes from JOBSTREAM_* environment variables (also DATABASE_URL and
     KAFKA_BOOTSTRAP_SERVERS); `jobstream config` shows the values in force.
     """
+    from pydantic import ValidationError
+    try:  # every process checks its settings at start (e.g. lease vs heartbeat): a clear error
+        get_settings()
+    except ValidationError as exc:
+        raise click.ClickException("invalid settings: " + "; ".join(
+            str(e["msg"]) for e in exc.errors())) from None
     _logging(log_level)
 
 

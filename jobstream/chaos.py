@@ -344,6 +344,7 @@ def check_invariants(settings: Settings, *, tenant: str, keys: list[str],
         if not c["answered"]:
             v.append(f"{where}: no model output")
         started = [a for a in tries if a["outcome"] in ("started", "abandoned")]
+        effects["started_attempts"] += sum(a["outcome"] == "started" for a in tries)
         effects["abandoned_attempts"] += sum(a["outcome"] == "abandoned" for a in tries)
         effects["discarded_attempts"] += sum(a["outcome"] == "discarded" for a in tries)
         for a in tries:

@@ -125,7 +125,24 @@ class Settings(BaseSettings):
                     "an arbitrary file.",
     )
     max_inline_document_bytes: int = Field(
-        5 * 1024 * 1024, ge=1, description="Largest document accepted inline (bytes)."
+        5 * 1024 * 1024, ge=1, description="Largest document accepted (bytes): checked on "
+        "the declared size_bytes and on the bytes actually read (inline or file://)."
+    )
+    extract_timeout_s: float = Field(
+        60.0, gt=0, description="Extraction: wall time one PDF may take; the extractor "
+                                "process is killed after it (seconds)."
+    )
+    extract_max_pages: int = Field(1000, ge=1, description="Extraction: most PDF pages.")
+    extract_max_text_chars: int = Field(
+        2_000_000, ge=1, description="Extraction: most characters of extracted text."
+    )
+    extract_max_stream_bytes: int = Field(
+        32 * 1024 * 1024, ge=1024,
+        description="Extraction: bytes one PDF stream may inflate to (decompression bombs).",
+    )
+    extract_max_memory_bytes: int = Field(
+        1024 * 1024 * 1024, ge=256 * 1024 * 1024,
+        description="Extraction: address space of the PDF extractor process (bytes).",
     )
 
     relay_batch_size: int = Field(500, ge=1, description="Outbox rows per relay batch.")
@@ -181,6 +198,18 @@ class Settings(BaseSettings):
         default_factory=dict,
         description="HTTP API bearer tokens -> tenant id (JSON object). The tenant always comes "
                     "from the token, never from the request body.",
+    )
+    api_allow_dev_tokens: bool = Field(
+        False, description="Let the API start with a placeholder token (change-me, empty): "
+                           "for local development only."
+    )
+    api_max_body_bytes: int = Field(
+        20 * 1024 * 1024, ge=1024, description="API: largest request body, enforced while "
+                                               "reading, before parsing (bytes; 413)."
+    )
+    api_max_batch_bytes: int = Field(
+        12 * 1024 * 1024, ge=1, description="API: most document bytes in one batch, summed "
+                                            "over its documents (bytes; 413)."
     )
     api_emit_uploaded: bool = Field(
         False, description="The API also writes document.uploaded to the outbox for others."

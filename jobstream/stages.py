@@ -134,7 +134,8 @@ class StageContext:
         with self._lock:
             if profile.name not in self._clients:
                 base = self.settings.provider_base_url if profile.base_url else None
-                key = self.settings.provider_api_key or (
+                secret = self.settings.provider_api_key
+                key = (secret.get_secret_value() if secret else None) or (
                     os.environ.get(profile.api_key_env) if profile.api_key_env else None)
                 self._clients[profile.name] = ProviderClient(
                     profile, timeout_s=self.settings.provider_timeout_s, base_url=base,

@@ -77,7 +77,7 @@ class DocumentRef(_Frozen):
         allowed = [os.path.realpath(r) for r in roots]
         if not any(os.path.commonpath([path, r]) == r for r in allowed):
             raise PermissionError(f"{path} is outside the allowed document roots {allowed}")
-        if not os.path.isfile(path):
+        if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block forever
             raise ValueError(f"{path} is not a regular file")
         with open(path, "rb") as fh:
             return fh.read() if max_bytes is None else fh.read(max_bytes + 1)

@@ -218,10 +218,6 @@ class Settings(BaseSettings):
     api_emit_uploaded: bool = Field(
         False, description="The API also writes document.uploaded to the outbox for others."
     )
-    fault: str | None = Field(
-        None,
-        description="Fault-injection point at which the process SIGKILLs itself (tests only).",
-    )
 
     @property
     def database_url(self) -> str:

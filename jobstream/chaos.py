@@ -209,8 +209,8 @@ def check_invariants(settings: Settings, *, tenant: str, keys: list[str],
       request is logged before it is sent) and at least one per finished row (a ``started``
       row of a killed run may or may not have been sent: a kill can land between the two);
     - a finished stage is never run again: no stage was claimed twice unless the worker was
-      killed or paused (then at most twice), and no provider attempt started after
-      ``llm_done`` finished;
+      killed or paused (then at most twice; three times with ``redrives``), and no provider
+      attempt started after ``llm_done`` finished;
     - no orphan attempt: nothing is left ``started`` (a dead or fenced run's attempt is closed
       ``abandoned``);
     - with ``redrives`` (a frozen run may have been re-driven by the sweeper): an event may
@@ -246,7 +246,10 @@ def check_invariants(settings: Settings, *, tenant: str, keys: list[str],
             v.append(f"job {jid}: {j['status']} ({j['error_code']})")
     stage_of: dict[tuple[str, str], dict[str, Any]] = {
         (str(s["job_id"]), s["stage"]): s for s in stages}
-    max_attempt = 2 if worker_killed else 1
+    # A killed or paused worker's stage is claimed again once. In pause mode a third claim is
+    # legitimate: the frozen process may hold a row lock (a transaction open when it froze)
+    # that stalls the run taking over past its own lease, and the sweeper re-drives that run.
+    max_attempt = (3 if redrives else 2) if worker_killed else 1
     for jid in job_ids:
         for st in STAGES:
             s = stage_of.get((jid, st))

@@ -819,6 +819,11 @@ def sweep(ctx: StageContext) -> list[str]:
                 actions.append(f"re-drove {job_id} from {stage}")
         except (StaleRun, ValueError, KeyError) as exc:
             log.info("sweeper skipped %s/%s: %s", job_id, stage, exc)
-    if closed := ctx.store.close_orphans():
-        actions.append(f"closed {closed} orphan provider attempts (abandoned)")
+        except RetryableError as exc:  # a row lock held too long (lock_timeout): next pass
+            log.warning("sweeper postponed %s/%s: %s", job_id, stage, exc)
+    try:
+        if closed := ctx.store.close_orphans():
+            actions.append(f"closed {closed} orphan provider attempts (abandoned)")
+    except RetryableError as exc:
+        log.warning("sweeper postponed closing orphan attempts: %s", exc)
     return actions

@@ -490,6 +490,8 @@ class Store:
         in ``allowed``) or :class:`StaleRun` (``fence`` no longer holds: nothing written).
         """
         with self.tx() as conn:
+            if fence is not None:  # the sweeper: never stall behind a frozen transaction
+                conn.execute(Q["sweeper_lock_timeout"])
             job = conn.execute(Q["get_job_for_update"], (job_id,)).fetchone()
             if job is None:
                 raise KeyError(f"no job {job_id}")
@@ -531,6 +533,7 @@ class Store:
         stage and the job with ``job.failed``, closing the run's orphan attempts. Raises
         :class:`StaleRun` (nothing written) when the re-check fails."""
         with self.tx() as conn:
+            conn.execute(Q["sweeper_lock_timeout"])
             job = conn.execute(Q["get_job_for_update"], (job_id,)).fetchone()
             if job is None or job["status"] in TERMINAL:
                 raise StaleRun(f"job {job_id} is gone or finished")
@@ -546,6 +549,7 @@ class Store:
         its estimate (USD) for the budget. Returns how many were closed (the sweeper's pass)."""
         n = 0
         with self.tx() as conn:
+            conn.execute(Q["sweeper_lock_timeout"])
             for r in conn.execute(Q["orphan_attempt_stages"]).fetchall():
                 n += conn.execute(Q["close_orphan_attempts"], dict(r)).rowcount
         return n
@@ -655,19 +659,24 @@ class Store:
         output stored, so a retry after a crash or a Postgres outage between the two never pays
         for the chunk a second time. When a newer run or generation owns the stage the answer
         is recorded as ``discarded`` (cost kept: it was paid for), the output is dropped and
-        :class:`StaleRun` is raised."""
+        :class:`StaleRun` is raised. When the run still owns the stage but the chunk was
+        answered meanwhile (a paused run's transaction committed late) the answer is
+        ``discarded`` too and the run goes on with the saved output."""
+        fence = {"job_id": claim.job["job_id"], "stage": claim.stage,
+                 "run_token": claim.run_token, "generation": claim.generation}
         with self.tx() as conn:
             cur = conn.execute(Q["save_chunk_output"], {
-                "output": Jsonb(output), "attempt_id": attempt_id, "job_id": claim.job["job_id"],
-                "idx": idx, "run_token": claim.run_token, "generation": claim.generation})
+                "output": Jsonb(output), "attempt_id": attempt_id, "idx": idx, **fence})
             saved = cur.rowcount == 1
+            owner = saved or conn.execute(Q["run_owns_stage"], fence).fetchone() is not None
             conn.execute(Q["finish_provider_attempt"], {
                 "outcome": "succeeded" if saved else "discarded", "status_code": status_code,
                 "latency_ms": latency_ms, "prompt_tokens": prompt_tokens,
                 "completion_tokens": completion_tokens, "cost_usd": cost_usd,
-                "error": None if saved else "answer of a fenced run: discarded",
+                "error": None if saved else ("chunk answered meanwhile: discarded" if owner
+                                             else "answer of a fenced run: discarded"),
                 "attempt_id": attempt_id})
-        if not saved:
+        if not owner:
             raise StaleRun(f"LLM stage of job {claim.job['job_id']} has a newer run")
 
     # ------------------------------------------------------------------ metrics

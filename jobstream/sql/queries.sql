@@ -138,6 +138,17 @@ UPDATE job_stage s
    AND s.lease_until < now() - make_interval(secs => %(grace_s)s * power(2, least(j.sweeps, 6)))
 RETURNING s.attempt;
 
+-- name: run_owns_stage
+-- Does the run (token, generation) still own its stage? (Why a fenced write matched no row.)
+SELECT 1 AS owns FROM job_stage s JOIN job j USING (job_id)
+ WHERE s.job_id = %(job_id)s AND s.stage = %(stage)s AND s.run_token = %(run_token)s
+   AND s.status = 'running' AND j.generation = %(generation)s;
+
+-- name: sweeper_lock_timeout
+-- The sweeper never waits long on a row lock (a frozen process may hold one for minutes): the
+-- job is skipped this pass instead of stalling every other one.
+SET LOCAL lock_timeout = '2s';
+
 -- name: count_sweep
 UPDATE job SET sweeps = sweeps + 1, swept_at = now() WHERE job_id = %s;
 

@@ -139,6 +139,24 @@ def test_a_takeover_fences_the_old_token_and_closes_its_orphan_attempt(job) -> N
     ctx.store.renew_lease(new, 30)  # the new owner is unaffected
 
 
+def test_an_answer_for_a_chunk_answered_meanwhile_is_discarded_and_the_run_goes_on(
+        job) -> None:
+    ctx, _fake, ev = job
+    url = ctx.settings.database_url
+    run = _claim(ctx, ev)
+    first = ctx.store.start_attempt(run, chunk_idx=0, attempt=1, model="m")
+    second = ctx.store.start_attempt(run, chunk_idx=0, attempt=2, model="m")
+    answer = {"status_code": 200, "latency_ms": 1.0, "prompt_tokens": 10,
+              "completion_tokens": 5, "cost_usd": 0.001}
+    ctx.store.succeed_chunk_attempt(run, first, idx=0, output={"summary": "a"}, **answer)
+    ctx.store.succeed_chunk_attempt(run, second, idx=0, output={"summary": "b"}, **answer)
+    rows = query(url, "SELECT outcome FROM provider_attempt ORDER BY attempt_id")
+    assert [r["outcome"] for r in rows] == ["succeeded", "discarded"]
+    assert query(url, "SELECT llm_output, llm_attempt_id FROM chunk WHERE idx = 0") == [
+        {"llm_output": {"summary": "a"}, "llm_attempt_id": first}]
+    ctx.store.renew_lease(run, 30)  # still the owner
+
+
 # ----------------------------------------------------------------- running -> pending (sweeper)
 
 def test_the_sweeper_re_drive_fences_the_paused_run_in_the_same_transaction(job) -> None:
@@ -227,6 +245,22 @@ def test_a_sweeper_pass_racing_a_takeover_re_drives_nothing(job) -> None:
     assert _writes(url)["outbox"] == outbox_before
     assert sweep(ctx) == []  # and a whole pass finds nothing: the new lease is live
     ctx.store.renew_lease(new, 30)
+
+
+def test_the_sweeper_does_not_stall_behind_a_frozen_transaction(job) -> None:
+    ctx, _fake, ev = job
+    url = ctx.settings.database_url
+    assert isinstance(_claim(ctx, ev), Claim)
+    _expire(url)
+    with connect(url) as frozen:  # a transaction of a frozen process holding the job row
+        frozen.execute("SELECT 1 FROM job WHERE job_id = %s FOR UPDATE", (ev.job_id,))
+        result: list[list[str]] = []
+        sweeper = threading.Thread(target=lambda: result.append(sweep(ctx)))
+        sweeper.start()
+        sweeper.join(30)
+        assert result == [[]], "the sweeper waited on the lock instead of postponing the job"
+        frozen.rollback()
+    assert sweep(ctx) == [f"re-drove {ev.job_id} from llm_done"]
 
 
 def _try_redrive(ctx: StageContext, job_id: uuid.UUID, seen: dict[str, Any]) -> str:

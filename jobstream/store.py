@@ -2,7 +2,8 @@
 
 Each public method is one short transaction (or joins the caller's via ``conn=``). Driver errors
 are translated here, and only here: ``psycopg.OperationalError`` (Postgres unreachable or
-restarting) becomes :class:`RetryableError` ``db_unavailable``.
+restarting) becomes :class:`RetryableError` ``db_unavailable``; ``psycopg.DataError`` (bytes or
+strings the database cannot store, e.g. NUL) becomes :class:`PoisonMessage` ``invalid_data``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pydantic import BaseModel
 
 from jobstream import tracing
 from jobstream.db import QUERIES as Q
-from jobstream.errors import IdempotencyConflict, RetryableError, StaleRun
+from jobstream.errors import IdempotencyConflict, PoisonMessage, RetryableError, StaleRun
 from schemas.events import encode_event
 
 #: The checkpoint chain (design.md): each stage is named by the fact it establishes.
@@ -122,6 +123,9 @@ class Store:
             raise RetryableError(f"database unavailable: {exc}", code="db_unavailable") from None
         except psycopg.errors.SerializationFailure as exc:
             raise RetryableError(f"serialization failure: {exc}", code="db_conflict") from None
+        except psycopg.DataError as exc:  # NUL in text, a value out of range: the input's fault
+            raise PoisonMessage(f"data the database cannot store: {exc}",
+                                code="invalid_data") from None
 
     # ------------------------------------------------------------------ outbox
 

@@ -59,7 +59,7 @@ from jobstream.db import QUERIES as Q
 from jobstream.db import connect
 from jobstream.deadletter import STORED_HEADER
 from jobstream.errors import PermanentError, RetryableError
-from jobstream.kafka import CONSUMED_TOPICS, PIPELINE_TOPICS, base_config, producer_config
+from jobstream.kafka import CONSUMED_TOPICS, base_config, producer_config
 from jobstream.settings import Settings
 
 log = logging.getLogger("jobstream.dlq")
@@ -321,12 +321,6 @@ def list_dead_letters(settings: Settings, topic: str | None = None, *, limit: in
     return out
 
 
-def stored_topics(settings: Settings, topic: str | None = None) -> list[str]:
-    """Full names of the topics whose dead letters the ``dead_letter`` table may hold: logical
-    ``topic``, else every pipeline topic (the relay parks rows of any topic)."""
-    return [settings.topic(t) for t in ([topic] if topic else PIPELINE_TOPICS)]
-
-
 def stored_to_dict(row: dict[str, Any], head_bytes: int = 64) -> dict[str, Any]:
     """A JSON-ready summary of one ``dead_letter`` row, with the keys of
     :meth:`DeadLetter.to_dict` (``source`` = ``table``; ``dlq_topic``, ``partition`` and
@@ -351,12 +345,14 @@ def stored_to_dict(row: dict[str, Any], head_bytes: int = 64) -> dict[str, Any]:
 
 def list_stored(settings: Settings, topic: str | None = None, *, limit: int = 100,
                 head_bytes: int = 64) -> list[dict[str, Any]]:
-    """The oldest ``limit`` rows of the ``dead_letter`` table for logical ``topic`` (else every
-    pipeline topic), as :func:`stored_to_dict` summaries. Raises PermanentError
+    """The oldest ``limit`` rows of the ``dead_letter`` table for logical ``topic`` (else of
+    every topic with the settings' prefix: the relay parks rows of any topic), as
+    :func:`stored_to_dict` summaries. Raises PermanentError
     ``schema_missing`` (run ``jobstream migrate``) and RetryableError ``db_unavailable``."""
     with _ledger(settings.database_url) as conn:
         rows = conn.execute(Q["dead_letter_list"], {
-            "topics": stored_topics(settings, topic), "limit": limit}).fetchall()
+            "topics": [settings.topic(topic)] if topic else None,
+            "prefix": settings.topic_prefix, "limit": limit}).fetchall()
     return [stored_to_dict(r, head_bytes) for r in rows]
 
 
@@ -653,8 +649,8 @@ def _replay_stored(settings: Settings, conn: psycopg.Connection, report: ReplayR
     original key, value and headers (plus ``dlq_replayed_from=dead_letter:<id>``), then mark
     the row replayed. Rows parked by the relay go to their topic as they are (and fail again
     while the topic still refuses them)."""
-    rows = [r for r in conn.execute(Q["dead_letter_list"], {
-        "topics": [report.original_topic], "limit": 1_000_000}).fetchall()]
+    rows = conn.execute(Q["dead_letter_list"], {
+        "topics": [report.original_topic], "prefix": "", "limit": 1_000_000}).fetchall()
     todo = []
     for r in rows:
         if r["replayed_at"] is not None:

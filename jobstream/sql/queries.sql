@@ -675,12 +675,14 @@ SELECT id FROM dead_letter
 SELECT id FROM dead_letter WHERE outbox_id = %s;
 
 -- name: dead_letter_list
--- Dead letters kept in Postgres, of some topics (full names), oldest first.
+-- Dead letters kept in Postgres, oldest first: of some topics (full names), or (topics NULL)
+-- of every topic with the prefix.
 SELECT id, source, consumer_group, topic, consumed_topic, kafka_partition, kafka_offset,
-       outbox_id, job_id,
-       kafka_key, value, header_names, header_values, reason_code, reason, dlq_error,
-       created_at, replayed_at, replayed_partition, replayed_offset
-  FROM dead_letter WHERE topic = ANY(%(topics)s)
+       outbox_id, job_id, kafka_key, value, header_names, header_values, reason_code, reason,
+       dlq_error, created_at, replayed_at, replayed_partition, replayed_offset
+  FROM dead_letter
+ WHERE CASE WHEN %(topics)s::text[] IS NULL THEN starts_with(topic, %(prefix)s)
+            ELSE topic = ANY(%(topics)s::text[]) END
  ORDER BY id LIMIT %(limit)s;
 
 -- name: dead_letter_mark_replayed

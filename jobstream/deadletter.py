@@ -41,6 +41,9 @@ log = logging.getLogger("jobstream.deadletter")
 DLQ_SUFFIX = ".dlq"
 #: Header of a DLQ reference record: ``dead_letter:<id>`` of the row that holds the original.
 STORED_HEADER = "dlq_stored"
+#: Header naming the topic a dead letter was read from when it is not ``dlq_original_topic``
+#: (the ``.retry`` twin): ``dlq_original_partition``/``offset`` are positions in that topic.
+CONSUMED_TOPIC_HEADER = "dlq_consumed_topic"
 #: Reason code of a handler error that kept failing the same message (idempotent consumer).
 HANDLER_ERROR = "handler_error"
 #: Reason code of an exception nothing expected (stage agents).
@@ -182,6 +185,8 @@ class DeadLetterSink:
         kept = [(k, v) for k, v in headers if not k.startswith("dlq_")]
         dlq_topic = topic + DLQ_SUFFIX
         hdrs = kept + list(dlq_headers(code, reason, topic, partition, offset).items())
+        if consumed_topic and consumed_topic != topic:  # read from the .retry twin
+            hdrs.append((CONSUMED_TOPIC_HEADER, consumed_topic.encode()))
         why = self._produce(dlq_topic, key, value, hdrs)
         if why is None:
             log.warning("dead-lettered %s[%d]@%d to %s: %s: %s", consumed_topic or topic,

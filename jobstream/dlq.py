@@ -57,7 +57,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Produ
 
 from jobstream.db import QUERIES as Q
 from jobstream.db import connect
-from jobstream.deadletter import STORED_HEADER
+from jobstream.deadletter import CONSUMED_TOPIC_HEADER, STORED_HEADER
 from jobstream.errors import PermanentError, RetryableError
 from jobstream.kafka import CONSUMED_TOPICS, base_config, producer_config
 from jobstream.settings import Settings
@@ -154,9 +154,10 @@ class DeadLetter:
         return self.header(STORED_HEADER)
 
     def to_dict(self, head_bytes: int = 64) -> dict[str, Any]:
-        """A JSON-ready summary: ``source`` (``topic``), position, reason, origin, key (text),
-        value size and the first ``head_bytes`` bytes of the value as text (undecodable bytes
-        escaped)."""
+        """A JSON-ready summary: ``source`` (``topic``), position, reason, origin
+        (``consumed_topic``: where it was read, e.g. a ``.retry`` twin), the original headers
+        (``dlq_*`` left out), key (text), value size and the first ``head_bytes`` bytes of the
+        value as text (undecodable bytes escaped)."""
         value = self.value
         return {
             "source": "topic", "dlq_topic": self.dlq_topic, "partition": self.partition,
@@ -164,8 +165,11 @@ class DeadLetter:
             "timestamp_ms": self.timestamp_ms,
             "dlq_reason_code": self.reason_code, "dlq_reason": self.reason,
             "original_topic": self.original_topic,
+            "consumed_topic": self.header(CONSUMED_TOPIC_HEADER) or self.original_topic,
             "original_partition": self.original_partition,
             "original_offset": self.original_offset,
+            "headers": {k: None if v is None else v.decode("utf-8", "backslashreplace")
+                        for k, v in self.headers if not k.startswith("dlq_")},
             "key": None if self.key is None else self.key.decode("utf-8", "backslashreplace"),
             "value_size": self.value_size,
             "value_head": None if value is None
@@ -332,8 +336,10 @@ def stored_to_dict(row: dict[str, Any], head_bytes: int = 64) -> dict[str, Any]:
         "stored_by": row["source"], "dlq_topic": None, "partition": None, "offset": None,
         "timestamp_ms": int(row["created_at"].timestamp() * 1000),
         "dlq_reason_code": row["reason_code"], "dlq_reason": row["reason"],
-        "original_topic": row["topic"], "original_partition": row["kafka_partition"],
-        "original_offset": row["kafka_offset"],
+        "original_topic": row["topic"], "consumed_topic": row["consumed_topic"] or row["topic"],
+        "original_partition": row["kafka_partition"], "original_offset": row["kafka_offset"],
+        "headers": {k: None if v is None else bytes(v).decode("utf-8", "backslashreplace")
+                    for k, v in zip(row["header_names"], row["header_values"], strict=True)},
         "key": None if key is None else bytes(key).decode("utf-8", "backslashreplace"),
         "value_size": -1 if value is None else len(value),
         "value_head": None if value is None

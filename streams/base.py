@@ -103,7 +103,9 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
         """Make the dead letter durable (``<topic>.dlq``, else the dead_letter table); only
         then may faust ack the message. Waits (with backoff) while neither takes it."""
         msg = event.message
-        src_topic = _header(event, "retry_original_topic") or msg.topic
+        # The agent's own topic, also for its .retry twin: never a header's say-so (a forged
+        # retry_original_topic must not pick the DLQ or the replay target).
+        src_topic = s.topic(source)
         headers = [(k, v) for k, v in _items(msg.headers) if not k.startswith("retry_")]
         backoff = IN_PLACE_BASE_S
         while True:

@@ -139,7 +139,7 @@ class IdempotentConsumer:
                     self.stats.duplicates += 1
                     return "duplicate"
                 self.handler(conn, event)
-        except (PoisonMessage, psycopg.DataError) as exc:
+        except (PoisonMessage, psycopg.DataError, UnicodeEncodeError) as exc:
             self._dead_letter(msg, classify(exc)[1], describe(exc))
             return "dead_lettered"
         self.stats.applied += 1

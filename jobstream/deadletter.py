@@ -64,14 +64,14 @@ def safe_text(text: str, limit: int = 2000) -> str:
 def classify(exc: BaseException) -> tuple[str, str]:
     """``(kind, code)`` of a failure while decoding or handling one message.
 
-    ``kind``: ``poison`` (:class:`PoisonMessage` with its code; ``psycopg.DataError`` ->
-    ``invalid_data``), ``transient`` (:class:`RetryableError`, :class:`OutcomeUnknown`,
-    ``psycopg.OperationalError``, a retriable ``KafkaException``) or ``bug`` (anything else,
-    code ``unhandled``).
+    ``kind``: ``poison`` (:class:`PoisonMessage` with its code; ``psycopg.DataError`` or a
+    ``UnicodeEncodeError`` of a query parameter -> ``invalid_data``), ``transient``
+    (:class:`RetryableError`, :class:`OutcomeUnknown`, ``psycopg.OperationalError``, a
+    retriable ``KafkaException``) or ``bug`` (anything else, code ``unhandled``).
     """
     if isinstance(exc, PoisonMessage):
         return "poison", exc.code
-    if isinstance(exc, psycopg.DataError):
+    if isinstance(exc, psycopg.DataError | UnicodeEncodeError):  # e.g. a lone surrogate
         return "poison", INVALID_DATA
     if isinstance(exc, RetryableError | OutcomeUnknown):
         return "transient", exc.code

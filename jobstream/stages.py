@@ -605,7 +605,7 @@ def _end_run(ctx: StageContext, claim: Claim, ev: Any, group: str, common: dict[
     a ``job.failed`` event (fenced by the run token), instead of leaving the stage ``running``
     for the sweeper. The caller re-raises: the message is dead-lettered."""
     code = exc.code if isinstance(exc, PoisonMessage) else "internal_error"
-    if isinstance(exc, psycopg.DataError):
+    if isinstance(exc, psycopg.DataError | UnicodeEncodeError):
         code = "invalid_data"
     error = f"{type(exc).__name__}: {exc}"[:4000].replace("\x00", "\\x00")
     failed = JobFailed(**common, payload=JobFailedPayload(stage=claim.stage, error_code=code,

@@ -123,7 +123,7 @@ class Store:
             raise RetryableError(f"database unavailable: {exc}", code="db_unavailable") from None
         except psycopg.errors.SerializationFailure as exc:
             raise RetryableError(f"serialization failure: {exc}", code="db_conflict") from None
-        except psycopg.DataError as exc:  # NUL in text, a value out of range: the input's fault
+        except (psycopg.DataError, UnicodeEncodeError) as exc:  # NUL, out of range, surrogate
             raise PoisonMessage(f"data the database cannot store: {exc}",
                                 code="invalid_data") from None
 

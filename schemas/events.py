@@ -257,6 +257,8 @@ MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 MAX_JSON_DEPTH = 64
 # A JSON string (escapes included): its brackets are not structure.
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+# The JSON escape of U+0000 (not preceded by an escaped backslash). A raw NUL byte is not JSON.
+_JSON_NUL = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _PAIR = re.compile(rb"\[\]|\{\}")  # an innermost (empty) array or object: one level
 
@@ -291,7 +293,8 @@ def decode_event(raw: bytes | str | None, expected: str | tuple[str, ...] | None
     parsed (bytes); ``max_depth``: the deepest JSON nesting parsed. Raises only
     :class:`PoisonMessage`, with a reason code (``empty``, ``message_too_large``,
     ``json_too_deep``, ``not_json``, ``schema_violation``, ``unexpected_event_type``); the
-    caller dead-letters it.
+    caller dead-letters it. No string of an event may contain U+0000 (Postgres text cannot
+    store it): ``schema_violation``.
     """
     if raw is None or raw in (b"", ""):
         raise PoisonMessage("empty message value", code="empty")
@@ -302,6 +305,9 @@ def decode_event(raw: bytes | str | None, expected: str | tuple[str, ...] | None
                             code="message_too_large")
     if json_depth_exceeds(raw, max_depth):
         raise PoisonMessage(f"JSON nested deeper than {max_depth} levels", code="json_too_deep")
+    if _JSON_NUL.search(raw):
+        raise PoisonMessage("a string contains U+0000 (NUL), which no event field may hold",
+                            code="schema_violation")
     try:
         return _decode(raw, expected)
     except PoisonMessage:

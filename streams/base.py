@@ -160,7 +160,7 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
                 log.info("%s %s job=%s round=%d -> %s", name, ev.event_type,
                          getattr(ev, "job_id", "-"), round_no, outcome)
                 return
-            except (PoisonMessage, psycopg.DataError) as exc:
+            except (PoisonMessage, psycopg.DataError, UnicodeEncodeError) as exc:
                 await dead_letter(event, classify(exc)[1], describe(exc),
                                   getattr(ev, "job_id", None))
                 return

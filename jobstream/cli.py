@@ -164,11 +164,20 @@ def publish(files: tuple[Path, ...], tenant: str, idempotency_key: str | None, l
     s = get_settings()
     if idempotency_key and len(files) > 1:
         raise click.UsageError("--idempotency-key names one intent: give one file")
+    for f in files:  # the limit intake applies, which also fits a Kafka message (settings)
+        if f.stat().st_size > s.max_inline_document_bytes:
+            raise click.UsageError(
+                f"{f} has {f.stat().st_size} bytes; documents travel inline up to "
+                f"JOBSTREAM_MAX_INLINE_DOCUMENT_BYTES={s.max_inline_document_bytes}")
     events = [uploaded_event(f, tenant_id=tenant, settings=s, lane=lane,
                              idempotency_key=idempotency_key or f"{tenant}:{f.name}",
                              prompt_version=prompt_version, model_profile=model_profile)
               for f in files]
-    do_submit(s, events)
+    from confluent_kafka import KafkaException
+    try:
+        do_submit(s, events)
+    except (KafkaException, RuntimeError) as exc:  # refused by the client or the broker
+        _fail(exc)
     for e in events:
         click.echo(f"published {e.payload.document.filename} key={e.idempotency_key}")
 

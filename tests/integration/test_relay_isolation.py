@@ -130,3 +130,14 @@ def test_row_13_a_row_over_the_producer_limit_is_parked_and_the_rest_sent_once(
     procs.start("relay", JOBSTREAM_KAFKA_MESSAGE_MAX_BYTES="200000",
                 JOBSTREAM_MAX_INLINE_DOCUMENT_BYTES="100000")
     _check(settings, procs, topic, job_id, "parked outbox row")
+
+
+def test_row_13_publish_of_a_document_over_the_inline_limit_is_a_clear_error(
+        settings: Settings, procs: ProcessRunner, tmp_path) -> None:
+    big = tmp_path / "big.txt"
+    big.write_bytes(b"x" * 150_000)
+    out = procs.run("publish", str(big), "--tenant", "acme",
+                    JOBSTREAM_MAX_INLINE_DOCUMENT_BYTES="100000")
+    assert out.returncode == 2, out
+    assert "JOBSTREAM_MAX_INLINE_DOCUMENT_BYTES=100000" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -1,12 +1,22 @@
 """A small, reusable idempotent consumer on confluent-kafka and psycopg.
 
-For every message: decode (poison -> ``<topic>.dlq`` with the reason in headers, then move on);
+For every message: decode, bounded (poison -> dead-lettered with the reason, then move on);
 open ONE Postgres transaction; insert ``(consumer_group, dedup_key, event_type)`` into
 ``processed_event``; if the row already existed the event is a duplicate (redelivery or
 re-publication) and the handler is not called; else run ``handler(conn, event)`` in that same
 transaction; commit; only then store the Kafka offset (``enable.auto.offset.store=false``; the
 stored offsets are auto-committed). A crash anywhere before the commit redoes everything; a
 crash after it finds the row. That is "delivered at-least-once, applied exactly once".
+
+Failures (one route for every consumer, ``jobstream.deadletter``): a message without key,
+over ``kafka_message_max_bytes``, nested deeper than ``max_json_depth``, undecodable,
+schema-violating, refused by the handler (:class:`PoisonMessage`), holding data Postgres cannot
+store (``invalid_data``) or reusing an event id with other content (``event_id_conflict``) is
+poison: dead-lettered (``<topic>.dlq``, else the ``dead_letter`` table) and its offset stored
+once that is durable. Postgres or Kafka unavailable is transient: retried with backoff, nothing
+skipped. Any other handler error is retried until the same error failed the same message
+``consumer_poison_after`` times, then dead-lettered as ``handler_error``. Poison never blocks a
+partition.
 
 Batches: the messages already fetched when one arrives (up to ``max_batch``) are applied in
 ONE transaction: one multi-row ``processed_event`` insert tells which keys are new, the handler

@@ -324,6 +324,13 @@ class OutboxRelay:
                             self._stop.wait(retry_s)
                             retry_s = min(retry_s * 2, self.settings.relay_backoff_cap_s)
                             continue
+                        except psycopg.OperationalError:
+                            raise  # reconnect below
+                        except Exception:  # a bug must not stop the outbox for everyone
+                            log.exception("relay batch failed; retrying in %.1fs", retry_s)
+                            self._stop.wait(retry_s)
+                            retry_s = min(retry_s * 2, self.settings.relay_backoff_cap_s)
+                            continue
                         if time.monotonic() - last_sweep > self.settings.sweep_grace_s / 2:
                             self._sweep()
                             last_sweep = time.monotonic()

@@ -216,10 +216,6 @@ class Settings(BaseSettings):
     api_emit_uploaded: bool = Field(
         False, description="The API also writes document.uploaded to the outbox for others."
     )
-    fault: str | None = Field(
-        None,
-        description="Fault-injection point at which the process SIGKILLs itself (tests only).",
-    )
 
     @model_validator(mode="after")
     def _limits_agree(self) -> Settings:

@@ -141,3 +141,20 @@ def test_row_13_publish_of_a_document_over_the_inline_limit_is_a_clear_error(
     assert out.returncode == 2, out
     assert "JOBSTREAM_MAX_INLINE_DOCUMENT_BYTES=100000" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_row_the_client_cannot_serialise_is_parked(settings: Settings,
+                                                     procs: ProcessRunner) -> None:
+    topic = settings.topic("job.failed")
+    with psycopg.connect(settings.database_url) as conn, conn.transaction():
+        for i, headers in enumerate([{"n": "0"}, [1, 2], {"n": "2"}]):
+            conn.execute(Q["outbox_insert"], (topic, f"key-{i}", b'{"n": %d}' % i,
+                                              Jsonb(headers), uuid.uuid4(), "test.row"))
+    relay = procs.start("relay")
+    url = settings.database_url
+    wait_for(lambda: not query(url, "SELECT 1 FROM outbox WHERE published_at IS NULL"), 60,
+             "the outbox drained", procs.logs)
+    assert sorted(m.key() for m in read_topic(settings, topic)) == [b"key-0", b"key-2"]
+    parked = query(url, "SELECT reason_code, dlq_error FROM dead_letter")
+    assert len(parked) == 1 and "cannot serialise" in parked[0]["dlq_error"], parked
+    assert relay.popen.poll() is None and "Traceback" not in relay.log_text()

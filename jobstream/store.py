@@ -240,6 +240,9 @@ class Store:
                     return IntakeResult(job_id, True)
             except psycopg.errors.UniqueViolation:
                 continue
+            except psycopg.DataError as exc:  # e.g. a NUL in a text column: the request's fault
+                raise PoisonMessage(f"Postgres refused the request's data: {exc}"[:500],
+                                    code="invalid_data") from None
         raise RetryableError("intake kept losing a uniqueness race", code="db_conflict")
 
     # ------------------------------------------------------------------ stages

@@ -72,3 +72,18 @@ def test_a_dead_letter_the_dlq_refuses_is_kept_in_postgres_and_replayable(
     copies = [m for m in read_topic(settings, ready) if m.value() == poison]
     assert len(copies) == 2  # the original and the one replayed copy
     assert dict(copies[1].headers())["dlq_replayed_from"] == f"dead_letter:{row['id']}".encode()
+
+
+def test_topics_are_created_with_sizes_that_agree(settings: Settings) -> None:
+    """``jobstream topics`` (the settings fixture ran it): pipeline and .retry topics take
+    ``kafka_message_max_bytes``, every .dlq topic that plus ``dlq_headroom_bytes``."""
+    admin = AdminClient(base_config(settings))
+    names = [settings.topic(t) for t in ("document.uploaded", "document.uploaded.retry",
+                                         "job.ready", "document.uploaded.dlq", "job.ready.dlq")]
+    got = {}
+    for res, fut in admin.describe_configs(
+            [ConfigResource(ConfigResource.Type.TOPIC, n) for n in names]).items():
+        got[res.name] = int(fut.result(30)["max.message.bytes"].value)
+    limit = settings.kafka_message_max_bytes
+    assert got == {n: limit + (settings.dlq_headroom_bytes if n.endswith(".dlq") else 0)
+                   for n in names}

@@ -703,3 +703,8 @@ DELETE FROM outbox WHERE id = %s AND published_at IS NULL RETURNING id;
 UPDATE job_stage SET status = 'failed', error_code = %s, error = %s, lease_until = NULL,
                      finished_at = now(), updated_at = now()
  WHERE job_id = %s AND status IN ('pending', 'running');
+
+-- name: metrics_dead_letters
+-- Dead letters kept in Postgres and not replayed yet, per who stored them and why.
+SELECT source, reason_code, count(*) AS n FROM dead_letter
+ WHERE replayed_at IS NULL GROUP BY source, reason_code;

@@ -14,6 +14,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import time
 import uuid
 from collections import Counter
@@ -158,3 +159,33 @@ def test_a_row_the_client_cannot_serialise_is_parked(settings: Settings,
     parked = query(url, "SELECT reason_code, dlq_error FROM dead_letter")
     assert len(parked) == 1 and "cannot serialise" in parked[0]["dlq_error"], parked
     assert relay.popen.poll() is None and "Traceback" not in relay.log_text()
+
+
+def test_a_retriable_delivery_error_backs_off_and_delivers_once_it_clears(
+        settings: Settings, procs: ProcessRunner) -> None:
+    """A row for a topic that does not exist yet fails retriably (the delivery times out): the
+    rows around it are delivered once, the row stays in the outbox (neither parked nor lost),
+    the relay waits longer each round instead of re-sending every second, and once the topic
+    exists the row is delivered once."""
+    good, missing = settings.topic("job.failed"), settings.topic("later")
+    with psycopg.connect(settings.database_url) as conn, conn.transaction():
+        for i in range(21):
+            conn.execute(Q["outbox_insert"], (missing if i == 10 else good, f"key-{i}",
+                                              b'{"n": %d}' % i, Jsonb({"n": str(i)}),
+                                              uuid.uuid4(), "test.row"))
+    relay = procs.start("relay", JOBSTREAM_KAFKA_EXTRA='{"message.timeout.ms": 2000}')
+    url = settings.database_url
+    wait_for(lambda: relay.log_text().count("re-sending the undelivered rows") >= 3, 60,
+             "three delivery rounds of the missing topic's row", procs.logs)
+    waits = re.findall(r"re-sending the undelivered rows in ([0-9.]+)s", relay.log_text())
+    assert [float(w) for w in waits[:3]] == [0.5, 1.0, 2.0], waits
+    assert [r["kafka_key"] for r in query(
+        url, "SELECT kafka_key FROM outbox WHERE published_at IS NULL")] == ["key-10"]
+    assert not query(url, "SELECT 1 FROM dead_letter")
+    _create_topic(settings, missing, 1_000_000)
+    wait_for(lambda: not query(url, "SELECT 1 FROM outbox WHERE published_at IS NULL"), 90,
+             "the row delivered once its topic exists", procs.logs)
+    keys = Counter(m.key().decode() for m in read_topic(settings, good))
+    assert keys == Counter({f"key-{i}": 1 for i in range(21) if i != 10}), keys
+    assert [m.key() for m in read_topic(settings, missing)] == [b"key-10"]
+    assert relay.popen.poll() is None

@@ -14,7 +14,7 @@ import faust
 from jobstream.settings import Settings
 from jobstream.stages import StageContext
 from jobstream.store import Store
-from streams import chunk, extract, intake, llm, publish, validate
+from streams import chunk, extract, intake, llm, offsets, publish, validate
 
 AGENTS = {"intake": intake.register, "extract": extract.register, "chunk": chunk.register,
           "llm": llm.register, "llm_batch": llm.register_batch, "validate": validate.register,
@@ -55,7 +55,12 @@ def create_app(settings: Settings, stages: Iterable[str] | None = None,
         broker_commit_interval=1.0,
         producer_acks=-1,
         processing_guarantee="at_least_once",
+        # Offsets follow completion (streams/offsets.py), so a rebalance or a stop need not
+        # wait for running stage work (it is redelivered), and faust prints no actor
+        # tracebacks while it would wait.
+        stream_wait_empty=False,
     )
+    offsets.install(app)
     ctx = StageContext(settings=settings, store=store or Store(
         settings.database_url, max_size=max(8, 2 * settings.llm_concurrency + 4)))
     for name in names:

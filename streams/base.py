@@ -12,8 +12,10 @@ Routing (style.md lesson 4: agents stay thin, failures are routed explicitly):
   dead-lettered for inspection;
 - a bug (any other exception) -> dead-lettered with reason ``unhandled``, never a crash loop.
 
-faust acks an event when the agent takes the next one, so the offset commit always follows the
-stage's Postgres transaction (or the retry/DLQ produce, which is awaited until acknowledged).
+Offsets follow completion: the committed offset of a partition is the lowest one whose message
+is not done yet (``streams/offsets.py``), never faust's ack tracking, so the offset commit
+always follows the stage's Postgres transaction (or the retry/DLQ produce, which is awaited
+until acknowledged), whatever the agent's concurrency.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from jobstream.errors import OutcomeUnknown, PoisonMessage, RetryableError
 from jobstream.kafka import dlq_headers
 from jobstream.stages import SPECS, StageContext, give_up
 from schemas.events import decode_event
+from streams import offsets
 
 log = logging.getLogger("jobstream.streams")
 
@@ -149,22 +152,50 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
                 await dead_letter(event, "unhandled", f"{type(exc).__name__}: {exc}")
                 return
 
-    async def agent(stream: faust.StreamT) -> None:
-        async for event in stream.events():
-            with logs.message_scope(event.message.headers, **scope):
+    tracker = getattr(app, "completion_tracker", None) or offsets.install(app)
+
+    async def run_one(event: faust.EventT, epoch: int) -> None:
+        msg = event.message
+        try:
+            with logs.message_scope(msg.headers, **scope):
                 await process(event, 0)
             faults.point("stage_after_commit_before_offset")
+        finally:
+            tracker.done(msg.tp, msg.offset, epoch)
+
+    async def agent(stream: faust.StreamT) -> None:
+        # One faust actor takes the events in partition order and runs up to `concurrency`
+        # of them as tasks; the offset committed per partition is the lowest one not done
+        # (streams/offsets.py), so a crash or a rebalance never skips an unfinished message.
+        slots = asyncio.Semaphore(concurrency)
+        running: set[asyncio.Task[None]] = set()
+        try:
+            async for event in stream.events():
+                await slots.acquire()
+                epoch = tracker.received(event.message.tp, event.message.offset)
+                task = asyncio.create_task(run_one(event, epoch))
+                running.add(task)
+                task.add_done_callback(running.discard)
+                task.add_done_callback(lambda _t: slots.release())
+        finally:
+            for task in running:  # stopping: their offsets stay uncommitted (redelivered)
+                task.cancel()
 
     async def retry_agent(stream: faust.StreamT) -> None:
         async for event in stream.events():
-            not_before = int(_header(event, "retry_not_before_ms") or 0) / 1000
-            wait = not_before - time.time()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            with logs.message_scope(event.message.headers, **scope):
-                await process(event, int(_header(event, "retry_count") or 1))
+            msg = event.message
+            epoch = tracker.received(msg.tp, msg.offset)
+            try:
+                not_before = int(_header(event, "retry_not_before_ms") or 0) / 1000
+                wait = not_before - time.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                with logs.message_scope(msg.headers, **scope):
+                    await process(event, int(_header(event, "retry_count") or 1))
+            finally:
+                tracker.done(msg.tp, msg.offset, epoch)
 
     agent.__name__ = name
     retry_agent.__name__ = f"{name}_retry"
     app.agent(retry_topic, name=f"{name}_retry", concurrency=1)(retry_agent)
-    return app.agent(topic, name=name, concurrency=concurrency)(agent)
+    return app.agent(topic, name=name, concurrency=1)(agent)

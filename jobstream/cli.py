@@ -426,6 +426,41 @@ def reconcile(job_id, resolution: str | None) -> None:  # type: ignore[no-untype
 
 
 @main.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON object instead of text.")
+@click.option("--check", "checks", multiple=True,
+              help="Run only this check (repeatable; default: every registered check).")
+@click.option("--skip", multiple=True, help="Skip this check (repeatable).")
+@click.option("--tenant", default=None, help="Only this tenant's jobs.")
+@click.option("--grace", "grace_s", type=float, default=None,
+              help="Seconds without progress before a job/stage counts as stuck "
+                   "(default JOBSTREAM_VERIFY_GRACE_S).")
+@click.option("--outbox-age", "outbox_age_s", type=float, default=None,
+              help="Oldest tolerated unpublished outbox row, seconds "
+                   "(default JOBSTREAM_VERIFY_OUTBOX_AGE_S).")
+@click.option("--max-lag", type=int, default=None,
+              help="Most messages a consumer group may be behind (default "
+                   "JOBSTREAM_VERIFY_MAX_LAG).")
+def verify(as_json: bool, checks: tuple[str, ...], skip: tuple[str, ...], tenant: str | None,
+           grace_s: float | None, outbox_age_s: float | None, max_lag: int | None) -> None:
+    """Audit the RUNNING system's guarantees (read-only, safe in production).
+
+    Reports every broken guarantee with its job ids: a dedup_key applied twice or a job never
+    applied downstream, stuck jobs, stranded stages, orphan attempts, old unpublished outbox
+    rows, chunks paid twice, consumer lag. Exit 1 when anything is broken, 2 when a check
+    could not run, 0 when clean.
+    """
+    from jobstream import verify as verify_mod
+    try:
+        report = verify_mod.run(get_settings(), checks=list(checks) or None, skip=skip,
+                                tenant=tenant, grace_s=grace_s, outbox_age_s=outbox_age_s,
+                                max_lag=max_lag)
+    except KeyError as exc:
+        raise click.UsageError(str(exc)) from None
+    click.echo(report.as_json() if as_json else report.text())
+    sys.exit(report.exit_code)
+
+
+@main.command()
 def sweep() -> None:
     """Re-drive stages whose lease expired long ago (the active relay also does this)."""
     from jobstream.stages import sweep as do_sweep

@@ -177,6 +177,29 @@ class Settings(BaseSettings):
                     "the prefixed jobstream-* groups and the downstream applier (JSON list).",
     )
 
+    verify_grace_s: float = Field(
+        300.0, ge=0, description="jobstream verify: how long a job may make no progress, a "
+        "succeeded stage wait for its next stage, or a succeeded job wait for its downstream "
+        "before it counts as broken (seconds)."
+    )
+    verify_outbox_age_s: float = Field(
+        60.0, ge=0, description="jobstream verify: oldest tolerated unpublished outbox row "
+                                "(seconds)."
+    )
+    verify_max_lag: int = Field(
+        10_000, ge=0, description="jobstream verify: most messages a consumer group may be "
+                                  "behind."
+    )
+    verify_downstreams: list[str] = Field(
+        default_factory=lambda: ["ready-applier"],
+        description="jobstream verify: downstream plug-ins whose effects are checked (JSON "
+                    "list; jobstream.verify.DOWNSTREAMS).",
+    )
+    verify_interval_s: float = Field(
+        60.0, gt=0, description="/metrics runs jobstream verify at most this often for the "
+                                "jobstream_verify_* gauges (seconds)."
+    )
+
     api_tokens: dict[str, str] = Field(
         default_factory=dict,
         description="HTTP API bearer tokens -> tenant id (JSON object). The tenant always comes "

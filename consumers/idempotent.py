@@ -29,7 +29,7 @@ from typing import Any
 import psycopg
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
 
-from jobstream import faults, logs
+from jobstream import faults, health, logs
 from jobstream.db import QUERIES as Q
 from jobstream.db import connect
 from jobstream.errors import PoisonMessage
@@ -88,8 +88,21 @@ class IdempotentConsumer:
 
     def _db(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed:
-            self._conn = connect(self.settings.database_url)
+            try:
+                self._conn = connect(self.settings.database_url)
+            except psycopg.OperationalError as exc:
+                health.failed(exc)
+                raise
+            health.ok()
         return self._conn
+
+    def db_probe(self) -> None:
+        """Readiness probe of an idle consumer: fine while it holds an open connection (its
+        work reports failures); else it must be able to open one. Raises
+        ``psycopg.OperationalError``."""
+        conn = self._conn
+        if conn is None or conn.closed:
+            connect(self.settings.database_url).close()
 
     def _dead_letter(self, msg: Message, code: str, reason: str) -> None:
         kept = [(k, v) for k, v in (msg.headers() or []) if not k.startswith("dlq_")]
@@ -197,8 +210,12 @@ class IdempotentConsumer:
                 fn()
                 return True
             except Exception as exc:  # rolled back: retry, never skip the message
-                log.warning("processing failed (%s: %s); retrying in %.1fs",
-                            type(exc).__name__, exc, backoff)
+                if isinstance(exc, psycopg.OperationalError):
+                    health.failed(exc)  # one line per outage (jobstream.health)
+                    log.debug("processing failed (%s); retrying in %.1fs", exc, backoff)
+                else:
+                    log.warning("processing failed (%s: %s); retrying in %.1fs",
+                                type(exc).__name__, exc, backoff)
                 if isinstance(exc, psycopg.OperationalError) and self._conn is not None:
                     self._conn.close()
                     self._conn = None
@@ -237,7 +254,8 @@ class IdempotentConsumer:
             try:
                 self.process_batch(msgs)
             except psycopg.OperationalError as exc:
-                log.warning("batch failed (%s); retrying", exc)
+                health.failed(exc)
+                log.debug("batch failed (%s); retrying", exc)
                 if self._conn is not None:
                     self._conn.close()
                     self._conn = None

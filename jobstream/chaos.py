@@ -106,7 +106,7 @@ def settings_env(settings: Settings, **extra: str) -> dict[str, str]:
                                                            "KAFKA_BOOTSTRAP_SERVERS")}
     for name, value in settings.model_dump(exclude={"fault"}).items():
         if value is not None:
-            env[f"JOBSTREAM_{name.upper()}"] = (json.dumps(value) if isinstance(value, dict)
+            env[f"JOBSTREAM_{name.upper()}"] = (json.dumps(value) if isinstance(value, dict | list)
                                                 else str(value))
     env.update(extra)
     return env

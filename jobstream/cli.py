@@ -85,7 +85,9 @@ def topics() -> None:
 @main.command()
 def relay() -> None:
     """Run the outbox relay (one active, others stand by) until SIGTERM."""
+    from jobstream import health
     from outbox_relay.relay import main as relay_main
+    health.setup("relay", get_settings())  # its loop reports every poll (active or standby)
     sys.exit(relay_main(get_settings()))
 
 
@@ -107,6 +109,8 @@ def worker(lane: str, stages: str | None) -> None:
         app, ctx = create_app(get_settings(), chosen, lane=lane)
     except KeyError as exc:
         raise click.UsageError(str(exc)) from None
+    from jobstream import health
+    health.setup("worker", get_settings(), probe=ctx.store.probe)
     level = logging.getLevelName(logging.getLogger().level).lower()
     worker_ = Worker(app, loglevel=level, quiet=True,
                      logging_config=faust_logging_config(level, get_settings().log_format))
@@ -144,7 +148,10 @@ def consume_ready() -> None:
     """Run the example downstream consumer that applies job.ready exactly once."""
     from consumers.idempotent import run_forever
     from consumers.ready_applier import build
-    sys.exit(run_forever(build(get_settings())))
+    from jobstream import health
+    consumer = build(get_settings())
+    health.setup("consume-ready", get_settings(), probe=consumer.db_probe)
+    sys.exit(run_forever(consumer))
 
 
 @main.command()

@@ -32,7 +32,7 @@ import psycopg
 from confluent_kafka import KafkaError, Producer
 from psycopg.rows import tuple_row
 
-from jobstream import faults
+from jobstream import faults, health
 from jobstream.db import QUERIES as Q
 from jobstream.db import connect
 from jobstream.kafka import producer_config
@@ -123,11 +123,15 @@ class OutboxRelay:
         return len(ids)
 
     def _acquire_lock(self, conn: psycopg.Connection) -> bool:
+        standing_by = False
         while not self._stop.is_set():
             row = conn.execute(Q["relay_try_lock"], (RELAY_LOCK_ID,)).fetchone()
+            health.ok()
             if row and row["locked"]:
                 return True
-            log.info("another relay is active; standing by")
+            if not standing_by:  # once, not every try
+                log.info("another relay is active; standing by (trying every 2 s)")
+                standing_by = True
             self._stop.wait(2.0)
         return False
 
@@ -136,8 +140,8 @@ class OutboxRelay:
         from jobstream.stages import StageContext
         from jobstream.store import Store
         if self._ctx is None:
-            self._ctx = StageContext(self.settings, Store(self.settings.database_url,
-                                                          max_size=2))
+            self._ctx = StageContext(self.settings, Store.for_process(
+                self.settings, "relay", self.settings.db_pool_relay_max))
 
     def _sweep(self) -> None:
         """Run the stuck-stage sweeper (the active relay is the one process that does)."""
@@ -179,6 +183,7 @@ class OutboxRelay:
                     while not self._stop.is_set():
                         try:
                             n = self.publish_batch(conn)
+                            health.ok()
                         except DeliveryFailed as exc:
                             log.warning("delivery failed, will retry the batch: %s", exc)
                             self._stop.wait(1.0)
@@ -195,7 +200,8 @@ class OutboxRelay:
                                                    stop_after=1):
                                 pass
             except psycopg.OperationalError as exc:
-                log.warning("postgres unavailable (%s); reconnecting in %.1fs", exc, backoff)
+                health.failed(exc)  # one line per outage (jobstream.health), not per retry
+                log.debug("postgres unavailable (%s); reconnecting in %.1fs", exc, backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
         self._producer.flush(30)

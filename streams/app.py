@@ -61,8 +61,8 @@ def create_app(settings: Settings, stages: Iterable[str] | None = None,
         stream_wait_empty=False,
     )
     offsets.install(app)
-    ctx = StageContext(settings=settings, store=store or Store(
-        settings.database_url, max_size=max(8, 2 * settings.llm_concurrency + 4)))
+    ctx = StageContext(settings=settings, store=store or Store.for_process(
+        settings, "worker", settings.db_pool_worker_max))
     for name in names:
         AGENTS[name](app, ctx)
     return app, ctx

@@ -746,3 +746,7 @@ SELECT a.job_id, a.chunk_idx, count(*) AS n, sum(a.cost_usd) AS cost_usd,
    AND (%(tenant)s::text IS NULL OR j.tenant_id = %(tenant)s)
  GROUP BY a.job_id, a.chunk_idx HAVING count(*) > 1
  ORDER BY a.job_id, a.chunk_idx LIMIT 1000;
+
+-- name: health_probe
+-- Readiness: can this process get a connection and run a statement?
+SELECT 1 AS ok;

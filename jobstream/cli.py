@@ -85,9 +85,10 @@ def topics() -> None:
 @main.command()
 def relay() -> None:
     """Run the outbox relay (one active, others stand by) until SIGTERM."""
-    from jobstream import health
+    from jobstream import health, outage
     from outbox_relay.relay import main as relay_main
     health.setup("relay", get_settings())  # its loop reports every poll (active or standby)
+    outage.install(get_settings().kafka_bootstrap_servers)
     sys.exit(relay_main(get_settings()))
 
 
@@ -109,8 +110,9 @@ def worker(lane: str, stages: str | None) -> None:
         app, ctx = create_app(get_settings(), chosen, lane=lane)
     except KeyError as exc:
         raise click.UsageError(str(exc)) from None
-    from jobstream import health
+    from jobstream import health, outage
     health.setup("worker", get_settings(), probe=ctx.store.probe)
+    outage.install(get_settings().kafka_bootstrap_servers)
     level = logging.getLevelName(logging.getLogger().level).lower()
     worker_ = Worker(app, loglevel=level, quiet=True,
                      logging_config=faust_logging_config(level, get_settings().log_format))
@@ -148,8 +150,9 @@ def consume_ready() -> None:
     """Run the example downstream consumer that applies job.ready exactly once."""
     from consumers.idempotent import run_forever
     from consumers.ready_applier import build
-    from jobstream import health
+    from jobstream import health, outage
     consumer = build(get_settings())
+    outage.install(get_settings().kafka_bootstrap_servers)
     health.setup("consume-ready", get_settings(), probe=consumer.db_probe)
     sys.exit(run_forever(consumer))
 

@@ -195,6 +195,7 @@ class OutboxRelay:
                             self._gc()
                             last_gc = time.monotonic()
                         if n < self.settings.relay_batch_size:
+                            self._producer.poll(0)  # serve client logs/callbacks while idle
                             # Caught up: sleep until a NOTIFY or the polling interval.
                             for _ in conn.notifies(timeout=self.settings.relay_poll_interval_s,
                                                    stop_after=1):

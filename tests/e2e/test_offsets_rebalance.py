@@ -49,6 +49,7 @@ def _done(url: str, tenant: str) -> tuple[int, int]:
     return row["ok"], row["applied"]
 
 
+@pytest.mark.timeout(600)
 def test_worker_joining_and_killed_mid_call_never_skips_an_offset(settings: Settings,
                                                                    tmp_path: Path) -> None:
     with FakeProvider({"default": {"latency_s": 1.0}}) as fake:
@@ -97,7 +98,7 @@ def test_worker_joining_and_killed_mid_call_never_skips_an_offset(settings: Sett
                                    grace_s=10)
                 return f"done={_done(url, tenant)}\n{stuck.text()}\n{runner.logs()}"
             # Without the sweeper, only redelivery can finish a job the dead worker held.
-            wait_for(lambda: _done(url, tenant) == (total, total), 300,
+            wait_for(lambda: _done(url, tenant) == (total, total), 150,
                      f"all {total} jobs to succeed and be applied", diag, every_s=1)
         finally:
             runner.stop_all()

@@ -121,6 +121,7 @@ def _applied(url: str, tenant: str) -> int:
                       "WHERE tenant_id = %s", (tenant,))[0]["n"]
 
 
+@pytest.mark.timeout(600)
 def test_connection_starvation_is_reported_and_recovers_without_operator(
         ps: Settings, tmp_path: Path) -> None:
     runner = ProcessRunner(ps, tmp_path / "logs")
@@ -187,6 +188,7 @@ def test_connection_starvation_is_reported_and_recovers_without_operator(
     runner.stop_all()
 
 
+@pytest.mark.timeout(600)
 def test_broker_outage_logs_a_few_lines_per_process(svc: PrivateServices, ps: Settings,
                                                     tmp_path: Path) -> None:
     runner = ProcessRunner(ps, tmp_path / "logs")

@@ -34,7 +34,12 @@ outbox_backlog                               gauge     unpublished outbox rows
 outbox_oldest_age_seconds                    gauge     age of the oldest unpublished row
 consumer_lag_messages{group,topic}           gauge     high watermark - committed offset
 consumer_group_lag_messages{group}           gauge     the same, summed per group
+provider_limit_window{profile}               gauge     the shared AIMD window (calls in flight)
+provider_limit_max{profile}                  gauge     the window's ceiling
+provider_limit_in_flight{profile}            gauge     slots of the shared limit held now
+provider_limit_decreases_total{profile}      counter   times a 429 halved the window
 metrics_source_up{source}                    gauge     1 when postgres/kafka answered
+metrics_source_duration_seconds{source}      gauge     time to read the source this scrape
 ============================================ ========= ==========================================
 """
 

@@ -97,6 +97,9 @@ def setup(process: str, settings: Any, *, probe: Callable[[], None] | None = Non
     port is taken."""
     global _current
     _current = Readiness(process, settings.health_fail_after_s)
+    pool_log = logging.getLogger("psycopg.pool")
+    if not any(isinstance(f, _PoolErrors) for f in pool_log.filters):
+        pool_log.addFilter(_PoolErrors())
     if probe is not None:
         threading.Thread(target=_probe_loop, args=(_current, probe,
                                                    settings.health_probe_interval_s),
@@ -121,6 +124,17 @@ def failed(exc: BaseException | str) -> None:
     """Report a database failure (no-op before :func:`setup`)."""
     if _current is not None:
         _current.failed(exc)
+
+
+class _PoolErrors(logging.Filter):
+    """psycopg_pool logs a WARNING per failed connection attempt; the first one is reported
+    as the start of an outage (one line, :meth:`Readiness.failed`), the rest are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING and "error connecting" in str(record.msg):
+            failed(record.getMessage())
+            return False
+        return True
 
 
 def _probe_loop(readiness: Readiness, probe: Callable[[], None], interval_s: float) -> None:

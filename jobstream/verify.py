@@ -297,7 +297,8 @@ def run(settings: Settings, *, checks: list[str] | None = None, skip: tuple[str,
             try:
                 report.findings[name] = CHECKS[name](ctx)
             except Exception as exc:  # one check down must not hide the others
-                report.errors[name] = f"{type(exc).__name__}: {exc}"
+                first = (str(exc).strip().splitlines() or [""])[0]
+                report.errors[name] = f"{type(exc).__name__}: {first}"
     report.seconds = time.monotonic() - t0
     return report
 

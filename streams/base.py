@@ -159,9 +159,14 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
         try:
             with logs.message_scope(msg.headers, **scope):
                 await process(event, 0)
-            faults.point("stage_after_commit_before_offset")
-        finally:
-            tracker.done(msg.tp, msg.offset, epoch)
+        except asyncio.CancelledError:
+            raise  # stopping: not done, so its offset is never committed (redelivered)
+        except Exception:  # e.g. the dead-letter produce failed: not done either
+            log.exception("%s: %s[%d]@%d not done; its offset is held back until it is "
+                          "redelivered", name, msg.topic, msg.partition, msg.offset)
+            return
+        faults.point("stage_after_commit_before_offset")
+        tracker.done(msg.tp, msg.offset, epoch)
 
     async def agent(stream: faust.StreamT) -> None:
         # One faust actor takes the events in partition order and runs up to `concurrency`
@@ -192,8 +197,9 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
                     await asyncio.sleep(wait)
                 with logs.message_scope(msg.headers, **scope):
                     await process(event, int(_header(event, "retry_count") or 1))
-            finally:
-                tracker.done(msg.tp, msg.offset, epoch)
+            except asyncio.CancelledError:
+                raise  # stopping: not done, its offset is not committed
+            tracker.done(msg.tp, msg.offset, epoch)
 
     agent.__name__ = name
     retry_agent.__name__ = f"{name}_retry"

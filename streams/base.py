@@ -168,6 +168,14 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
         faults.point("stage_after_commit_before_offset")
         tracker.done(msg.tp, msg.offset, epoch)
 
+    def current(event: faust.EventT) -> bool:
+        """False for an event taken before a rebalance that happened while it waited for a
+        slot (faust's own generation check, repeated): the partition's next owner, maybe
+        this worker again, re-reads it from the committed offset. Registering it now would
+        let the commit jump past the messages re-read before it."""
+        return (app.flow_control.is_active()
+                and event.message.generation_id == app.consumer_generation_id)
+
     async def agent(stream: faust.StreamT) -> None:
         # One faust actor takes the events in partition order and runs up to `concurrency`
         # of them as tasks; the offset committed per partition is the lowest one not done
@@ -177,6 +185,9 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
         try:
             async for event in stream.events():
                 await slots.acquire()
+                if not current(event):  # held while a rebalance happened: not ours to run
+                    slots.release()
+                    continue
                 epoch = tracker.received(event.message.tp, event.message.offset)
                 task = asyncio.create_task(run_one(event, epoch))
                 running.add(task)

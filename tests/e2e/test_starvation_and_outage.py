@@ -139,13 +139,16 @@ def test_connection_starvation_is_reported_and_recovers_without_operator(
         for name in procs:
             wait_for(lambda name=name: _health(ports[name])[0] == 200, 60,
                      f"{name} to be ready", runner.logs)
-        # Another client takes every connection Postgres has left.
-        while len(hog) < MAX_CONNECTIONS + 5:
-            try:
-                hog.append(psycopg.connect(url, connect_timeout=5))
-            except psycopg.OperationalError as exc:
-                assert "too many clients" in str(exc) or "remaining connection" in str(exc), exc
-                break
+        # Another client takes every connection Postgres has left (and, below, every one an
+        # idle pool gives back while the starvation lasts).
+        def grab() -> None:
+            while len(hog) < MAX_CONNECTIONS + 5:
+                try:
+                    hog.append(psycopg.connect(url, connect_timeout=5))
+                except psycopg.OperationalError as exc:
+                    assert "too many clients" in str(exc) or "remaining conn" in str(exc), exc
+                    return
+        grab()
         assert len(hog) < MAX_CONNECTIONS + 5, "max_connections is not in force"
         starved_at = time.monotonic()
         _submit(ps, tmp_path / "docs", tenant, n)
@@ -160,7 +163,9 @@ def test_connection_starvation_is_reported_and_recovers_without_operator(
         with hog[0].transaction():  # nothing applied yet (asked on a hogged connection)
             assert hog[0].execute("SELECT count(*) FROM downstream.ledger_charge WHERE "
                                   "tenant_id = %s", (tenant,)).fetchone()[0] == 0
-        time.sleep(max(0.0, 15 - (time.monotonic() - starved_at)))
+        while time.monotonic() - starved_at < 15:
+            grab()
+            time.sleep(0.2)
         assert _health(ports["consume-ready"])[0] == 503, "healthy while still starved"
     finally:
         for conn in hog:
@@ -175,7 +180,9 @@ def test_connection_starvation_is_reported_and_recovers_without_operator(
                          "WHERE tenant_id = %s GROUP BY 1", (tenant,))
     assert len(charges) == n and all(c["n"] == 1 for c in charges), charges
     logs = procs["consume-ready"].log_text()
-    assert logs.count("database unreachable") == 1, logs[-3000:]
+    # One line per outage, not per retry (a connection an idle pool gave back may end one
+    # early and start another).
+    assert 1 <= logs.count("database unreachable") <= 3, logs[-3000:]
     assert "database reachable again after" in logs, logs[-3000:]
     # Idle workers give their pooled connections back (a probe keeps at most one each).
     wait_for(lambda: query(url, "SELECT count(*) AS n FROM pg_stat_activity WHERE "

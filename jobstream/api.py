@@ -308,7 +308,8 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
     """Build the API app. ``store`` defaults to a pool on ``settings.database_url``."""
     app = FastAPI(title="jobstream", version="1", description=__doc__,
                   responses={401: {"model": Problem}, 404: {"model": Problem}})
-    ctx = StageContext(settings, store or Store(settings.database_url, max_size=16))
+    ctx = StageContext(settings, store or Store.for_process(settings, "api",
+                                                            settings.db_pool_api_max))
     app.state.ctx = ctx
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.api_max_body_bytes)
     app.add_middleware(TraceMiddleware)
@@ -593,8 +594,14 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
         return Response(encoder(metrics_registry), headers={"Content-Type": content_type})
 
     @app.get("/healthz", include_in_schema=False)
-    def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    def healthz() -> JSONResponse:
+        """Readiness (jobstream/health.py): 200 while the API can get a database connection,
+        503 after ``health_fail_after_s`` without one."""
+        from jobstream import health
+        ready = health.current()
+        if ready is None:
+            return JSONResponse({"status": "ok", "process": "api"})
+        return JSONResponse(ready.status(), status_code=200 if ready.healthy else 503)
 
     return app
 
@@ -622,7 +629,10 @@ def main(settings: Settings, host: str, port: int) -> int:
                          f"(for tenants {sorted(placeholders)}); set real tokens in "
                          "JOBSTREAM_API_TOKENS, or JOBSTREAM_API_ALLOW_DEV_TOKENS=true for "
                          "local development only")
+    from jobstream import health
+    app = create_app(settings)
+    health.setup("api", settings, probe=app.state.ctx.store.probe, serve=False)
     # JSON logs: uvicorn's loggers propagate to the root handler instead of their own.
-    uvicorn.run(create_app(settings), host=host, port=port, log_level="info",
+    uvicorn.run(app, host=host, port=port, log_level="info",
                 **({"log_config": None} if settings.log_format == "json" else {}))
     return 0

@@ -370,6 +370,14 @@ def check_invariants(settings: Settings, *, tenant: str, keys: list[str],
         if key.split(":", 1)[0] in job_ids:
             v.append(f"the provider saw {calls_by_key[key]} calls for {key}, not a chunk")
     effects["provider_calls"] = sum(calls_by_key.values())
+
+    # 5. the auditor of a running system (jobstream verify) finds nothing broken either.
+    # Attempts a killed run left 'started' are allowed above; closing them is not verified.
+    from jobstream import verify
+    report = verify.run(settings, tenant=tenant, grace_s=0, outbox_age_s=0, max_lag=0,
+                        skip=("orphan_attempts",) if worker_killed else ())
+    v += [f"verify: {f}" for f in report.broken]
+    v += [f"verify: {name} could not run: {why}" for name, why in report.errors.items()]
     return v, dict(effects)
 
 

@@ -91,7 +91,10 @@ def topics() -> None:
 @main.command()
 def relay() -> None:
     """Run the outbox relay (one active, others stand by) until SIGTERM."""
+    from jobstream import health, outage
     from outbox_relay.relay import main as relay_main
+    health.setup("relay", get_settings())  # its loop reports every poll (active or standby)
+    outage.install(get_settings().kafka_bootstrap_servers)
     sys.exit(relay_main(get_settings()))
 
 
@@ -113,6 +116,9 @@ def worker(lane: str, stages: str | None) -> None:
         app, ctx = create_app(get_settings(), chosen, lane=lane)
     except KeyError as exc:
         raise click.UsageError(str(exc)) from None
+    from jobstream import health, outage
+    health.setup("worker", get_settings(), probe=ctx.store.probe)
+    outage.install(get_settings().kafka_bootstrap_servers)
     level = logging.getLevelName(logging.getLogger().level).lower()
     worker_ = Worker(app, loglevel=level, quiet=True,
                      logging_config=faust_logging_config(level, get_settings().log_format))
@@ -150,7 +156,11 @@ def consume_ready() -> None:
     """Run the example downstream consumer that applies job.ready exactly once."""
     from consumers.idempotent import run_forever
     from consumers.ready_applier import build
-    sys.exit(run_forever(build(get_settings())))
+    from jobstream import health, outage
+    consumer = build(get_settings())
+    outage.install(get_settings().kafka_bootstrap_servers)
+    health.setup("consume-ready", get_settings(), probe=consumer.db_probe)
+    sys.exit(run_forever(consumer))
 
 
 @main.command()
@@ -438,6 +448,41 @@ def reconcile(job_id, resolution: str | None) -> None:  # type: ignore[no-untype
         click.echo(do_reconcile(ctx, job_id, resolution))
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON object instead of text.")
+@click.option("--check", "checks", multiple=True,
+              help="Run only this check (repeatable; default: every registered check).")
+@click.option("--skip", multiple=True, help="Skip this check (repeatable).")
+@click.option("--tenant", default=None, help="Only this tenant's jobs.")
+@click.option("--grace", "grace_s", type=float, default=None,
+              help="Seconds without progress before a job/stage counts as stuck "
+                   "(default JOBSTREAM_VERIFY_GRACE_S).")
+@click.option("--outbox-age", "outbox_age_s", type=float, default=None,
+              help="Oldest tolerated unpublished outbox row, seconds "
+                   "(default JOBSTREAM_VERIFY_OUTBOX_AGE_S).")
+@click.option("--max-lag", type=int, default=None,
+              help="Most messages a consumer group may be behind (default "
+                   "JOBSTREAM_VERIFY_MAX_LAG).")
+def verify(as_json: bool, checks: tuple[str, ...], skip: tuple[str, ...], tenant: str | None,
+           grace_s: float | None, outbox_age_s: float | None, max_lag: int | None) -> None:
+    """Audit the RUNNING system's guarantees (read-only, safe in production).
+
+    Reports every broken guarantee with its job ids: a dedup_key applied twice or a job never
+    applied downstream, stuck jobs, stranded stages, orphan attempts, old unpublished outbox
+    rows, chunks paid twice, consumer lag. Exit 1 when anything is broken, 2 when a check
+    could not run, 0 when clean.
+    """
+    from jobstream import verify as verify_mod
+    try:
+        report = verify_mod.run(get_settings(), checks=list(checks) or None, skip=skip,
+                                tenant=tenant, grace_s=grace_s, outbox_age_s=outbox_age_s,
+                                max_lag=max_lag)
+    except KeyError as exc:
+        raise click.UsageError(str(exc)) from None
+    click.echo(report.as_json() if as_json else report.text())
+    sys.exit(report.exit_code)
 
 
 @main.command()

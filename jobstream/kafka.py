@@ -57,7 +57,12 @@ def all_topics(settings: Settings) -> list[str]:
 
 def base_config(settings: Settings) -> dict[str, Any]:
     """librdkafka settings common to every client (bootstrap + pass-through extras)."""
-    return {"bootstrap.servers": settings.kafka_bootstrap_servers, **settings.kafka_extra}
+    import logging
+
+    from jobstream.outage import RDKAFKA_LOGGER
+    # librdkafka logs through Python logging, where jobstream.outage collapses an outage.
+    return {"bootstrap.servers": settings.kafka_bootstrap_servers,
+            "logger": logging.getLogger(RDKAFKA_LOGGER), **settings.kafka_extra}
 
 
 def producer_config(settings: Settings, **extra: Any) -> dict[str, Any]:

@@ -383,8 +383,10 @@ class JobstreamCollector(Collector):
 def registry(settings: Settings, store: Store) -> CollectorRegistry:
     """A registry holding only the jobstream collector (no process metrics: the numbers are
     the pipeline's, whichever process serves them)."""
+    from jobstream.verify import VerifyCollector
     reg = CollectorRegistry(auto_describe=False)
     reg.register(JobstreamCollector(settings, store))
+    reg.register(VerifyCollector(settings))  # jobstream_verify_broken{check}
     return reg
 
 

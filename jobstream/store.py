@@ -22,7 +22,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 from pydantic import BaseModel
 
-from jobstream import tracing
+from jobstream import health, tracing
 from jobstream.db import QUERIES as Q
 from jobstream.errors import IdempotencyConflict, PoisonMessage, RetryableError, StaleRun
 from schemas.events import encode_event
@@ -110,11 +110,49 @@ def outbox_message(topic: str, event: BaseModel) -> OutboxMessage:
 class Store:
     """All DB operations, over a small connection pool (``max_size`` connections)."""
 
-    def __init__(self, url: str, *, max_size: int = 8) -> None:
+    def __init__(self, url: str, *, max_size: int = 8, min_size: int = 0,
+                 max_idle_s: float = 30.0, timeout_s: float = 30.0,
+                 name: str = "jobstream") -> None:
+        """A pool of at most ``max_size`` connections (``min_size`` kept open; one idle for
+        ``max_idle_s`` seconds is closed, so an idle process gives its connections back);
+        callers wait up to ``timeout_s`` seconds for one. ``name`` is the connections'
+        ``application_name`` (pg_stat_activity shows who holds what)."""
         self.url = url
-        self.pool = ConnectionPool(url, min_size=1, max_size=max_size, open=True,
-                                   kwargs={"row_factory": dict_row, "connect_timeout": 10},
+        self.timeout_s = timeout_s
+        self.pool = ConnectionPool(url, min_size=min_size, max_size=max_size,
+                                   max_idle=max_idle_s, open=True,
+                                   kwargs={"row_factory": dict_row, "connect_timeout": 10,
+                                           "application_name": name},
                                    check=ConnectionPool.check_connection)
+
+    @classmethod
+    def for_process(cls, settings: Any, process: str, max_size: int) -> Store:
+        """The pool of one process (``worker``, ``api``, ``relay``…) sized by the
+        ``db_pool_*`` settings (the connection budget, README "Connection budget")."""
+        return cls(settings.database_url, max_size=max_size,
+                   min_size=min(settings.db_pool_min_size, max_size),
+                   max_idle_s=settings.db_pool_max_idle_s, timeout_s=settings.db_pool_timeout_s,
+                   name=f"jobstream-{process}")
+
+    @contextmanager
+    def connection(self) -> Iterator[psycopg.Connection]:
+        """A pooled connection (no transaction); reports to the process's readiness
+        (:mod:`jobstream.health`). Raises ``psycopg.OperationalError`` (``PoolTimeout``
+        included) when none can be had within ``timeout_s``."""
+        try:
+            with self.pool.connection(timeout=self.timeout_s) as conn:
+                health.ok()
+                yield conn
+        except psycopg.OperationalError as exc:
+            if not isinstance(exc, psycopg.errors.QueryCanceled):  # a timeout is not an outage
+                health.failed(exc)
+            raise
+
+    def probe(self) -> None:
+        """One trivial query through the pool (the readiness probe of an idle process).
+        Raises ``psycopg.OperationalError``."""
+        with self.connection() as conn:
+            conn.execute(Q["health_probe"])
 
     def close(self) -> None:
         """Close every pooled connection."""
@@ -124,7 +162,7 @@ class Store:
     def tx(self) -> Iterator[psycopg.Connection]:
         """One transaction on a pooled connection; Postgres outages become RetryableError."""
         try:
-            with self.pool.connection(timeout=30) as conn, conn.transaction():
+            with self.connection() as conn, conn.transaction():
                 yield conn
         except psycopg.OperationalError as exc:
             raise RetryableError(f"database unavailable: {exc}", code="db_unavailable") from None
@@ -190,7 +228,7 @@ class Store:
                 return self._intake_in(conn, tenant_id, idempotency_key, request_hash,
                                        request_id, job, content, accepted, topic, list(extra))
             try:
-                with self.pool.connection(timeout=30) as own:
+                with self.connection() as own:
                     return self._intake_in(own, tenant_id, idempotency_key, request_hash,
                                            request_id, job, content, accepted, topic,
                                            list(extra))

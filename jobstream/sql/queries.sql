@@ -740,6 +740,106 @@ SELECT dedup_key, count(*) AS n FROM downstream.document_analysis
 SELECT dedup_key, count(*) AS n FROM downstream.ledger_charge
  WHERE tenant_id = %s GROUP BY dedup_key;
 
+-- ---------------------------------------------------------------- jobstream verify (read-only)
+-- Every query takes %(tenant)s (NULL: all tenants) and returns at most 1000 rows.
+
+-- name: verify_applied_twice
+-- Example downstream: a dedup_key whose analysis or ledger charge exists more than once.
+SELECT 'downstream.ledger_charge' AS what, tenant_id, dedup_key, count(*) AS n,
+       array_agg(DISTINCT job_id::text) AS job_ids
+  FROM downstream.ledger_charge
+ WHERE %(tenant)s::text IS NULL OR tenant_id = %(tenant)s
+ GROUP BY tenant_id, dedup_key HAVING count(*) > 1
+UNION ALL
+SELECT 'downstream.document_analysis', tenant_id, dedup_key, count(*),
+       array_agg(DISTINCT job_id::text)
+  FROM downstream.document_analysis
+ WHERE %(tenant)s::text IS NULL OR tenant_id = %(tenant)s
+ GROUP BY tenant_id, dedup_key HAVING count(*) > 1
+ LIMIT 1000;
+
+-- name: verify_not_applied
+-- Example downstream: jobs succeeded longer than the grace ago that it never applied.
+SELECT j.job_id, j.finished_at FROM job j
+ WHERE j.status = 'succeeded' AND j.finished_at < now() - make_interval(secs => %(grace_s)s)
+   AND (%(tenant)s::text IS NULL OR j.tenant_id = %(tenant)s)
+   AND NOT EXISTS (SELECT 1 FROM downstream.document_analysis a
+                    WHERE a.tenant_id = j.tenant_id AND a.dedup_key = j.dedup_key)
+ ORDER BY j.finished_at LIMIT 1000;
+
+-- name: verify_stuck_jobs
+-- Open jobs (not parked for reconciliation) with no live lease, no unpublished event and no
+-- progress (job, stage or outbox) for the grace: nothing will move them.
+SELECT j.job_id, j.status, j.current_stage, j.updated_at FROM job j
+ WHERE j.status IN ('queued', 'running')
+   AND (%(tenant)s::text IS NULL OR j.tenant_id = %(tenant)s)
+   AND j.updated_at < now() - make_interval(secs => %(grace_s)s)
+   AND NOT EXISTS (SELECT 1 FROM job_stage s WHERE s.job_id = j.job_id
+                      AND ((s.status = 'running' AND s.lease_until > now())
+                           OR s.updated_at > now() - make_interval(secs => %(grace_s)s)))
+   AND NOT EXISTS (SELECT 1 FROM outbox o WHERE o.kafka_key = j.job_id::text
+                      AND (o.published_at IS NULL
+                           OR o.published_at > now() - make_interval(secs => %(grace_s)s)))
+ ORDER BY j.updated_at LIMIT 1000;
+
+-- name: verify_stranded_stages
+-- A stage that succeeded longer than the grace ago while its job is open and the next stage
+-- was never claimed (row missing or pending). %(stages)s is the checkpoint chain in order.
+SELECT s.job_id, s.stage, s.finished_at,
+       (%(stages)s::text[])[array_position(%(stages)s::text[], s.stage) + 1] AS next_stage
+  FROM job_stage s JOIN job j USING (job_id)
+ WHERE s.status = 'succeeded' AND j.status IN ('queued', 'running')
+   AND (%(tenant)s::text IS NULL OR j.tenant_id = %(tenant)s)
+   AND array_position(%(stages)s::text[], s.stage) < array_length(%(stages)s::text[], 1)
+   AND s.finished_at < now() - make_interval(secs => %(grace_s)s)
+   AND j.updated_at < now() - make_interval(secs => %(grace_s)s)
+   AND NOT EXISTS (
+       SELECT 1 FROM job_stage n WHERE n.job_id = s.job_id AND n.status <> 'pending'
+          AND n.stage = (%(stages)s::text[])[array_position(%(stages)s::text[], s.stage) + 1])
+ ORDER BY s.finished_at LIMIT 1000;
+
+-- name: verify_orphan_attempts
+-- Provider attempts still 'started' whose run no longer holds a live lease on its stage.
+SELECT a.attempt_id, a.job_id, a.stage, a.chunk_idx, a.started_at,
+       s.status AS stage_status, s.run_token = a.run_token AS same_run
+  FROM provider_attempt a JOIN job j USING (job_id)
+  LEFT JOIN job_stage s ON s.job_id = a.job_id AND s.stage = a.stage
+ WHERE a.outcome = 'started'
+   AND (%(tenant)s::text IS NULL OR j.tenant_id = %(tenant)s)
+   AND a.started_at < now() - make_interval(secs => %(grace_s)s)
+   AND (s.run_token IS DISTINCT FROM a.run_token OR s.status <> 'running'
+        OR s.lease_until < now())
+ ORDER BY a.attempt_id LIMIT 1000;
+
+-- name: verify_outbox_unpublished
+-- Outbox rows not published longer than the bound after they were written.
+SELECT o.id, o.event_type, o.kafka_key, o.created_at FROM outbox o
+ WHERE o.published_at IS NULL
+   AND o.created_at < now() - make_interval(secs => %(outbox_age_s)s)
+   AND (%(tenant)s::text IS NULL OR EXISTS (
+        SELECT 1 FROM job j WHERE j.job_id::text = o.kafka_key AND j.tenant_id = %(tenant)s))
+ ORDER BY o.id LIMIT 1000;
+
+-- name: verify_paid_twice
+-- Chunks with more than one succeeded (billed) provider attempt, with what tells why.
+SELECT a.job_id, a.chunk_idx, count(*) AS n, sum(a.cost_usd) AS cost_usd,
+       count(DISTINCT a.run_token) AS runs,
+       array_agg(a.attempt_id ORDER BY a.attempt_id) AS attempt_ids,
+       bool_or(EXISTS (SELECT 1 FROM provider_attempt b
+                        WHERE b.job_id = a.job_id AND b.chunk_idx = a.chunk_idx
+                          AND b.outcome = 'succeeded' AND b.attempt_id <> a.attempt_id
+                          AND b.started_at < a.finished_at
+                          AND a.started_at < b.finished_at)) AS overlapping
+  FROM provider_attempt a JOIN job j USING (job_id)
+ WHERE a.outcome = 'succeeded' AND a.chunk_idx IS NOT NULL
+   AND (%(tenant)s::text IS NULL OR j.tenant_id = %(tenant)s)
+ GROUP BY a.job_id, a.chunk_idx HAVING count(*) > 1
+ ORDER BY a.job_id, a.chunk_idx LIMIT 1000;
+
+-- name: health_probe
+-- Readiness: can this process get a connection and run a statement?
+SELECT 1 AS ok;
+
 -- ---------------------------------------------------------------- dead-letter store (0008)
 
 -- name: dead_letter_insert

@@ -543,8 +543,10 @@ SELECT stage, coalesce(sum(attempt), 0)::bigint AS runs,
   FROM job_stage WHERE stage <> 'uploaded' GROUP BY stage;
 
 -- name: metrics_provider_attempts
--- Provider attempts per outcome and model profile, with their cost (USD).
-SELECT outcome, model_profile, count(*) AS n, coalesce(sum(cost_usd), 0)::float8 AS cost_usd
+-- Provider attempts per outcome and model profile, with their cost (USD) and how many the
+-- provider answered 429.
+SELECT outcome, model_profile, count(*) AS n, coalesce(sum(cost_usd), 0)::float8 AS cost_usd,
+       count(*) FILTER (WHERE status_code = 429) AS rate_limited
   FROM provider_attempt GROUP BY outcome, model_profile;
 
 -- name: metrics_stage_durations

@@ -31,6 +31,8 @@ queue_wait_seconds{stage,lane}               gauge histogram  previous checkpoin
                                                        this stage's claim, stages finished in
                                                        the last ``metrics_window_s``
 stage_duration_seconds{stage,lane}           gauge histogram  claim -> checkpoint, same window
+provider_latency_seconds{model_profile,lane} gauge histogram  provider attempts' latency, same
+                                                       window
 outbox_backlog                               gauge     unpublished outbox rows
 outbox_oldest_age_seconds                    gauge     age of the oldest unpublished row
 consumer_lag_messages{group,topic}           gauge     high watermark - committed offset
@@ -83,14 +85,17 @@ NS = "jobstream"
 
 
 def _histogram(name: str, doc: str, rows: Iterable[dict[str, Any]],
-               bounds: tuple[float, ...] = BUCKETS_S) -> GaugeHistogramMetricFamily:
-    """A gauge histogram per (stage, lane) from rows ``(stage, lane, idx, n, sum_s)``: ``n``
-    values fell in bucket ``idx`` (value <= ``bounds[idx]``; ``idx == len(bounds)``: above
-    every bound). Buckets are cumulative, as Prometheus expects."""
-    fam = GaugeHistogramMetricFamily(name, doc, labels=["stage", "lane"])
+               bounds: tuple[float, ...] = BUCKETS_S,
+               labels: tuple[str, str] = ("stage", "lane")) -> GaugeHistogramMetricFamily:
+    """A gauge histogram per (stage, lane) (or the two ``labels``) from rows ``(stage, lane,
+    idx, n, sum_s)``: ``n`` values fell in bucket ``idx`` (value <= ``bounds[idx]``;
+    ``idx == len(bounds)``: above every bound). Buckets are cumulative, as Prometheus
+    expects."""
+    fam = GaugeHistogramMetricFamily(name, doc, labels=list(labels))
     per: dict[tuple[str, str], tuple[list[int], list[float]]] = {}
     for r in rows:
-        counts, total = per.setdefault((r["stage"], r["lane"]), ([0] * (len(bounds) + 1), [0.0]))
+        counts, total = per.setdefault((r[labels[0]], r[labels[1]]),
+                                       ([0] * (len(bounds) + 1), [0.0]))
         counts[min(int(r["idx"]), len(bounds))] += int(r["n"])
         total[0] += float(r["sum_s"] or 0.0)
     for (stage, lane), (counts, total) in sorted(per.items()):
@@ -203,7 +208,10 @@ def postgres_families(snap: dict[str, list[dict[str, Any]]]) -> list[Metric]:
                        "(seconds).", snap["queue_waits"]),
             _histogram(f"{NS}_stage_duration_seconds", "Run time of stages finished in the "
                        "metrics window: claim -> checkpoint (seconds).",
-                       snap["stage_durations"])]
+                       snap["stage_durations"]),
+            _histogram(f"{NS}_provider_latency_seconds", "Latency of provider attempts "
+                       "finished in the metrics window: request sent -> answer (seconds).",
+                       snap.get("provider_latency", []), labels=("model_profile", "lane"))]
 
 
 @dataclass

@@ -570,7 +570,8 @@ class Store:
         limit_now, max_limit, interactive_reserved, decreases, in_flight), and
         ``stage_durations`` /
         ``queue_waits`` (stage, lane, idx, n, sum_s: counts per bucket ``idx`` of ``bounds``,
-        seconds, over stages finished in the last ``window_s`` seconds). Raises
+        seconds, over stages finished in the last ``window_s`` seconds), ``provider_latency``
+        (model_profile, lane, idx, n, sum_s: the same over provider attempts). Raises
         :class:`RetryableError` when Postgres is unavailable or a statement timed out.
         """
         stages = list(STAGES[1:])
@@ -585,6 +586,7 @@ class Store:
                 "outbox": list(conn.execute(Q["outbox_backlog"])),
                 "provider_limit": list(conn.execute(Q["limit_state"])),
                 "stage_durations": list(conn.execute(Q["metrics_stage_durations"], window)),
+                "provider_latency": list(conn.execute(Q["metrics_provider_latency"], window)),
                 "queue_waits": list(conn.execute(Q["metrics_queue_waits"], {
                     **window, "stages": stages, "prevs": list(STAGES[:-1])})),
             }

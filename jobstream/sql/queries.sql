@@ -564,6 +564,19 @@ SELECT stage, lane,
        count(*) AS n, sum(v)::float8 AS sum_s
   FROM d GROUP BY stage, lane, idx;
 
+-- name: metrics_provider_latency
+-- Latency (seconds) of provider attempts that finished in the last %(window_s)s seconds, per
+-- model profile and lane; buckets as in metrics_stage_durations.
+WITH d AS (
+    SELECT a.model_profile, j.lane, greatest(a.latency_ms / 1000.0, 0)::float8 AS v
+      FROM provider_attempt a JOIN job j USING (job_id)
+     WHERE a.finished_at >= now() - make_interval(secs => %(window_s)s)
+       AND a.latency_ms IS NOT NULL)
+SELECT model_profile, lane,
+       (SELECT count(*) FROM unnest(%(bounds)s::float8[]) AS b(le) WHERE b.le < d.v) AS idx,
+       count(*) AS n, sum(v)::float8 AS sum_s
+  FROM d GROUP BY model_profile, lane, idx;
+
 -- name: metrics_queue_waits
 -- Queue wait (seconds) of stages that succeeded in the last %(window_s)s seconds: from the
 -- previous checkpoint's finish (its event was written to the outbox) to this stage's latest

@@ -185,6 +185,10 @@ class Settings(BaseSettings):
     api_emit_uploaded: bool = Field(
         False, description="The API also writes document.uploaded to the outbox for others."
     )
+    sse_keepalive_s: float = Field(
+        15.0, gt=0, description="Server-Sent Events: a keep-alive comment after this many "
+                                "seconds without an event (seconds; proxies cut idle streams)."
+    )
 
     def topic(self, name: str) -> str:
         """Full topic name for a logical topic ``name`` (adds :attr:`topic_prefix`)."""

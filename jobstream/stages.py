@@ -195,11 +195,21 @@ def handle_intake(ctx: StageContext, ev: DocumentUploaded, *, conn: Any = None,
                 pipeline=p.pipeline, prompt_version=p.prompt_version,
                 model_profile=p.model_profile, lane=p.lane))
 
+    def restart(conn: Any, job_id: uuid.UUID) -> bool:
+        # A new intent for a computation that failed or was cancelled: a new run of its job
+        # (a redrive: new generation, finished stages re-emitted, not redone).
+        try:
+            ctx.store.redrive_in(conn, job_id, plan=RedrivePlan(ctx, None),
+                                 allowed=("failed", "cancelled"))
+        except ValueError:
+            return False  # its state changed meanwhile: the key reuses the job as it is
+        return True
+
     extra = [_msg(ctx, ev)] if emit_uploaded else []
     return ctx.store.intake(tenant_id=ev.tenant_id, idempotency_key=ev.idempotency_key,
                             request_hash=rh, request_id=ev.request_id, job=job, content=content,
                             accepted=accepted, topic=ctx.settings.topic("job.accepted"),
-                            conn=conn, extra=extra)
+                            conn=conn, extra=extra, restart=restart)
 
 
 # ---------------------------------------------------------------------------------- stages
@@ -609,8 +619,23 @@ def redrive(ctx: StageContext, job_id: uuid.UUID, from_stage: str | None = None,
     Returns the stage the job restarts at. Raises ``KeyError`` (no job / unknown stage) and
     ``ValueError`` (job status not in ``allowed``, or nothing to restart from).
     """
-    def plan(job: dict[str, Any], rows: dict[str, Any]) -> tuple[Any, ...]:
-        nonlocal from_stage
+    plan = RedrivePlan(ctx, from_stage)
+    ctx.store.redrive(job_id, plan=plan, allowed=allowed)
+    assert plan.from_stage is not None
+    return plan.from_stage
+
+
+class RedrivePlan:
+    """The ``plan`` of :meth:`Store.redrive`: restart at ``from_stage`` (None: the first stage
+    that is not succeeded; ``from_stage`` holds it after the call). Calling it with ``(job,
+    stage_rows)`` returns ``(OutboxMessage, stages, groups, event_types)``; it raises
+    ``KeyError`` (unknown stage) or ``ValueError`` (no checkpoint to restart from)."""
+
+    def __init__(self, ctx: StageContext, from_stage: str | None) -> None:
+        self.ctx, self.from_stage = ctx, from_stage
+
+    def __call__(self, job: dict[str, Any], rows: dict[str, Any]) -> tuple[Any, ...]:
+        ctx, from_stage = self.ctx, self.from_stage
         if from_stage is None:
             from_stage = next((st for st in STAGES[1:]
                                if rows.get(st, {}).get("status") != "succeeded"), STAGES[1])
@@ -619,6 +644,7 @@ def redrive(ctx: StageContext, job_id: uuid.UUID, from_stage: str | None = None,
         prev = rows.get(STAGES[STAGES.index(from_stage) - 1])
         if prev is None or prev["status"] != "succeeded" or prev["emitted"] is None:
             raise ValueError(f"stage before {from_stage} has no checkpoint to restart from")
+        self.from_stage = from_stage
         model = EVENT_MODELS[CONSUMES[from_stage]]
         ev = model(tenant_id=job["tenant_id"], idempotency_key=job["idempotency_key"],
                    job_id=job["job_id"], dedup_key=job["dedup_key"],
@@ -627,10 +653,6 @@ def redrive(ctx: StageContext, job_id: uuid.UUID, from_stage: str | None = None,
         stages_from = list(STAGES[STAGES.index(from_stage):])
         return (_msg(ctx, ev, job["lane"]), stages_from, [ctx.group(st) for st in stages_from],
                 [CONSUMES[st] for st in stages_from])
-
-    ctx.store.redrive(job_id, plan=plan, allowed=allowed)
-    assert from_stage is not None
-    return from_stage
 
 
 def reconcile(ctx: StageContext, job_id: uuid.UUID, resolution: str) -> str:

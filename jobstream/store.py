@@ -33,10 +33,14 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 
 @dataclass(frozen=True)
 class IntakeResult:
-    """``job_id`` of the intent; ``created`` is False when the job already existed."""
+    """``job_id`` of the intent; ``created`` is False when the job already existed. ``dedup``:
+    ``new`` (created), ``replayed`` (the same idempotency key again), ``reused`` (another key
+    for the same computation, which succeeded or is still running) or ``restarted`` (the same
+    computation had failed or was cancelled: a new run of its job started)."""
 
     job_id: uuid.UUID
     created: bool
+    dedup: str = "replayed"
 
 
 @dataclass(frozen=True)
@@ -158,7 +162,8 @@ class Store:
     def intake(self, *, tenant_id: str, idempotency_key: str, request_hash: str,
                request_id: str, job: dict[str, Any], content: bytes,
                accepted: Any, topic: str, conn: psycopg.Connection | None = None,
-               extra: list[OutboxMessage] = ()) -> IntakeResult:  # type: ignore[assignment]
+               extra: list[OutboxMessage] = (),  # type: ignore[assignment]
+               restart: Any = None) -> IntakeResult:
         """Create a job for one client intent, in ONE transaction: document, job, idempotency
         record, ``uploaded`` checkpoint and the ``job.accepted`` outbox row (plus ``extra``
         outbox rows, e.g. a ``document.uploaded`` for other consumers).
@@ -168,6 +173,9 @@ class Store:
         (a savepoint is used). The same (tenant, idempotency_key) again returns the same job
         with no new work; a second key for the same dedup_key is bound to the existing job.
         Raises :class:`IdempotencyConflict` when the key was used with a different body.
+        ``restart``: ``(conn, job_id) -> bool``, called when a new key is bound to a job that
+        failed or was cancelled, in the same transaction; it starts a new run of that job and
+        returns False when the job's state changed meanwhile (then the key reuses the job).
 
         Intake is where a job's trace starts: the job keeps the trace-id of the current span
         (the incoming event's or request's ``traceparent``), or of a new trace.
@@ -177,19 +185,21 @@ class Store:
         with tracing.use(span):
             if conn is not None:
                 return self._intake_in(conn, tenant_id, idempotency_key, request_hash,
-                                       request_id, job, content, accepted, topic, list(extra))
+                                       request_id, job, content, accepted, topic, list(extra),
+                                       restart)
             try:
                 with self.pool.connection(timeout=30) as own:
                     return self._intake_in(own, tenant_id, idempotency_key, request_hash,
                                            request_id, job, content, accepted, topic,
-                                           list(extra))
+                                           list(extra), restart)
             except psycopg.OperationalError as exc:
                 raise RetryableError(f"database unavailable: {exc}",
                                      code="db_unavailable") from None
 
     def _intake_in(self, conn: psycopg.Connection, tenant_id: str, idempotency_key: str,
                    request_hash: str, request_id: str, job: dict[str, Any], content: bytes,
-                   accepted: Any, topic: str, extra: list[OutboxMessage]) -> IntakeResult:
+                   accepted: Any, topic: str, extra: list[OutboxMessage],
+                   restart: Any = None) -> IntakeResult:
         for _ in range(3):  # a concurrent identical intent may win the insert race: re-read
             try:
                 with conn.transaction():
@@ -221,7 +231,10 @@ class Store:
                         conn.execute(Q["insert_request"], (tenant_id, idempotency_key,
                                                            request_hash, existing["job_id"],
                                                            request_id))
-                        return IntakeResult(existing["job_id"], False)
+                        if (restart is not None and existing["status"] in ("failed", "cancelled")
+                                and restart(conn, existing["job_id"])):
+                            return IntakeResult(existing["job_id"], False, "restarted")
+                        return IntakeResult(existing["job_id"], False, "reused")
                     job_id = created["job_id"]
                     conn.execute(Q["insert_request"], (tenant_id, idempotency_key, request_hash,
                                                        job_id, request_id))
@@ -233,7 +246,7 @@ class Store:
                     self.add_outbox(conn, outbox_message(topic, event))
                     for msg in extra:
                         self.add_outbox(conn, msg)
-                    return IntakeResult(job_id, True)
+                    return IntakeResult(job_id, True, "new")
             except psycopg.errors.UniqueViolation:
                 continue
         raise RetryableError("intake kept losing a uniqueness race", code="db_conflict")
@@ -445,19 +458,27 @@ class Store:
         such job) or ``ValueError`` (status not in ``allowed``).
         """
         with self.tx() as conn:
-            job = conn.execute(Q["get_job_for_update"], (job_id,)).fetchone()
-            if job is None:
-                raise KeyError(f"no job {job_id}")
-            if job["status"] not in allowed:
-                raise ValueError(f"job {job_id} is {job['status']}; redrive needs one of "
-                                 f"{list(allowed)}")
-            rows = {r["stage"]: r for r in conn.execute(Q["list_stages"], (job_id,))}
-            msg, stages, groups, event_types = plan(dict(job), rows)
-            conn.execute(Q["forget_processed"], (job["dedup_key"], groups, event_types))
-            conn.execute(Q["reopen_stages"], (job_id, list(stages)))
-            conn.execute(Q["reopen_job"], (job["generation"] + 1, job_id))
-            self.add_outbox(conn, msg)
-            return str(job["status"])
+            return self.redrive_in(conn, job_id, plan=plan, allowed=allowed)
+
+    def redrive_in(self, conn: psycopg.Connection, job_id: uuid.UUID, *, plan: Any,
+                   allowed: tuple[str, ...]) -> str:
+        """:meth:`redrive` in the caller's transaction ``conn``; a cancelled job's cancel
+        request is cleared (its new run is not cancelled). Raises as :meth:`redrive`."""
+        job = conn.execute(Q["get_job_for_update"], (job_id,)).fetchone()
+        if job is None:
+            raise KeyError(f"no job {job_id}")
+        if job["status"] not in allowed:
+            raise ValueError(f"job {job_id} is {job['status']}; redrive needs one of "
+                             f"{list(allowed)}")
+        rows = {r["stage"]: r for r in conn.execute(Q["list_stages"], (job_id,))}
+        msg, stages, groups, event_types = plan(dict(job), rows)
+        conn.execute(Q["forget_processed"], (job["dedup_key"], groups, event_types))
+        conn.execute(Q["reopen_stages"], (job_id, list(stages)))
+        conn.execute(Q["reopen_job"], (job["generation"] + 1, job_id))
+        if job["status"] == "cancelled":
+            conn.execute(Q["clear_cancel"], (job_id,))
+        self.add_outbox(conn, msg)
+        return str(job["status"])
 
     def fail_parked(self, job_id: uuid.UUID, *, error_code: str, error: str,
                     failed_msg: OutboxMessage) -> None:

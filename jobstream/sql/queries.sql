@@ -141,11 +141,20 @@ UPDATE job_stage SET status = 'failed', error_code = 'cancelled_by_user',
  WHERE job_id = %s AND stage = %s AND run_token = %s AND status = 'running';
 
 -- name: request_cancel
--- "Cancelled by user": the flag workers check between and during stages.
+-- "Cancelled by user": the flag workers check between and during stages. A finished job is
+-- left as it is (no row: see api_job_status).
 UPDATE job SET cancel_requested = true, cancel_requested_at = coalesce(cancel_requested_at, now()),
                updated_at = now()
- WHERE job_id = %s AND tenant_id = %s
+ WHERE job_id = %s AND tenant_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled')
 RETURNING status;
+
+-- name: api_job_status
+SELECT status, cancel_requested FROM job WHERE job_id = %s AND tenant_id = %s;
+
+-- name: clear_cancel
+-- A new run of a cancelled job (a new intent for the same computation) is not cancelled.
+UPDATE job SET cancel_requested = false, cancel_requested_at = NULL, updated_at = now()
+ WHERE job_id = %s;
 
 -- name: request_cancel_batch
 UPDATE job SET cancel_requested = true, cancel_requested_at = coalesce(cancel_requested_at, now()),
@@ -175,7 +184,12 @@ UPDATE job_stage
    AND status = 'running';
 
 -- name: park_job
-UPDATE job SET status = 'needs_reconciliation', error_code = %s, error = %s, updated_at = now()
+-- current_stage becomes the parked stage (parked in the same transaction, before this).
+UPDATE job SET status = 'needs_reconciliation', error_code = %s, error = %s, updated_at = now(),
+               current_stage = coalesce((SELECT s.stage FROM job_stage s
+                                          WHERE s.job_id = job.job_id
+                                            AND s.status = 'needs_reconciliation'
+                                          ORDER BY s.updated_at DESC LIMIT 1), current_stage)
  WHERE job_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled');
 
 -- name: jobs_needing_reconciliation
@@ -226,8 +240,13 @@ UPDATE job SET status = 'succeeded', current_stage = 'published', charge_usd = %
  WHERE job_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled');
 
 -- name: fail_job
+-- current_stage becomes the stage that failed (its checkpoint is failed in the same
+-- transaction, before this), not the last one that succeeded.
 UPDATE job SET status = 'failed', error_code = %s, error = %s, finished_at = now(),
-               updated_at = now()
+               updated_at = now(),
+               current_stage = coalesce((SELECT s.stage FROM job_stage s
+                                          WHERE s.job_id = job.job_id AND s.status = 'failed'
+                                          ORDER BY s.updated_at DESC LIMIT 1), current_stage)
  WHERE job_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled');
 
 -- name: cancel_job

@@ -78,3 +78,17 @@ def test_submit_mixed_documents_prints_a_summary_and_exits_1(
                                       COLUMNS="220"),
                         capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stdout + ok.stderr  # every job succeeded: exit 0
+
+    # A batch of the same documents (new keys): the succeeded one is reused, the failed one
+    # starts a new run (which fails again); the batch ends with the same summary and exit 1.
+    b = subprocess.run([sys.executable, "-m", "jobstream.cli", "batch", str(good[1]),
+                        str(bad[0])],
+                       env=procs.env(JOBSTREAM_API_URL=url, JOBSTREAM_API_TOKEN="tok",
+                                     COLUMNS="220"),
+                       capture_output=True, text=True, timeout=300)
+    assert b.returncode == 1, b.stdout + b.stderr
+    assert "succeeded 1, failed 1" in b.stdout, b.stdout
+    assert "unparseable_document at text_extracted" in b.stdout, b.stdout
+    runs = query(settings.database_url, "SELECT generation FROM job WHERE tenant_id = 'acme' "
+                 "AND filename = %s", (bad[0].name,))
+    assert runs[0]["generation"] >= 1  # a new run of the failed job, not its old failure

@@ -199,8 +199,7 @@ def handle_intake(ctx: StageContext, ev: DocumentUploaded, *, conn: Any = None,
         # A new intent for a computation that failed or was cancelled: a new run of its job
         # (a redrive: new generation, finished stages re-emitted, not redone).
         try:
-            ctx.store.redrive_in(conn, job_id, plan=RedrivePlan(ctx, None),
-                                 allowed=("failed", "cancelled"))
+            redrive(ctx, job_id, allowed=("failed", "cancelled"), conn=conn)
         except ValueError:
             return False  # its state changed meanwhile: the key reuses the job as it is
         return True
@@ -610,32 +609,19 @@ CONSUMES = {spec.stage: spec.consumes for spec in SPECS.values()}
 
 
 def redrive(ctx: StageContext, job_id: uuid.UUID, from_stage: str | None = None,
-            allowed: tuple[str, ...] = ("failed", "needs_reconciliation", "succeeded")) -> str:
+            allowed: tuple[str, ...] = ("failed", "needs_reconciliation", "succeeded"),
+            conn: Any = None) -> str:
     """Send a job through its stages again from ``from_stage`` (default: the first stage that
     is not succeeded, else the first stage). Finished stages whose code version is unchanged are
     re-emitted, not redone; a stage that re-runs invalidates the stages after it. A result that
     was already applied downstream is not applied again (same dedup_key).
 
     Returns the stage the job restarts at. Raises ``KeyError`` (no job / unknown stage) and
-    ``ValueError`` (job status not in ``allowed``, or nothing to restart from).
+    ``ValueError`` (job status not in ``allowed``, or nothing to restart from). ``conn``:
+    re-drive in the caller's transaction (intake's new run of a failed or cancelled job).
     """
-    plan = RedrivePlan(ctx, from_stage)
-    ctx.store.redrive(job_id, plan=plan, allowed=allowed)
-    assert plan.from_stage is not None
-    return plan.from_stage
-
-
-class RedrivePlan:
-    """The ``plan`` of :meth:`Store.redrive`: restart at ``from_stage`` (None: the first stage
-    that is not succeeded; ``from_stage`` holds it after the call). Calling it with ``(job,
-    stage_rows)`` returns ``(OutboxMessage, stages, groups, event_types)``; it raises
-    ``KeyError`` (unknown stage) or ``ValueError`` (no checkpoint to restart from)."""
-
-    def __init__(self, ctx: StageContext, from_stage: str | None) -> None:
-        self.ctx, self.from_stage = ctx, from_stage
-
-    def __call__(self, job: dict[str, Any], rows: dict[str, Any]) -> tuple[Any, ...]:
-        ctx, from_stage = self.ctx, self.from_stage
+    def plan(job: dict[str, Any], rows: dict[str, Any]) -> tuple[Any, ...]:
+        nonlocal from_stage
         if from_stage is None:
             from_stage = next((st for st in STAGES[1:]
                                if rows.get(st, {}).get("status") != "succeeded"), STAGES[1])
@@ -644,7 +630,6 @@ class RedrivePlan:
         prev = rows.get(STAGES[STAGES.index(from_stage) - 1])
         if prev is None or prev["status"] != "succeeded" or prev["emitted"] is None:
             raise ValueError(f"stage before {from_stage} has no checkpoint to restart from")
-        self.from_stage = from_stage
         model = EVENT_MODELS[CONSUMES[from_stage]]
         ev = model(tenant_id=job["tenant_id"], idempotency_key=job["idempotency_key"],
                    job_id=job["job_id"], dedup_key=job["dedup_key"],
@@ -653,6 +638,10 @@ class RedrivePlan:
         stages_from = list(STAGES[STAGES.index(from_stage):])
         return (_msg(ctx, ev, job["lane"]), stages_from, [ctx.group(st) for st in stages_from],
                 [CONSUMES[st] for st in stages_from])
+
+    ctx.store.redrive(job_id, plan=plan, allowed=allowed, conn=conn)
+    assert from_stage is not None
+    return from_stage
 
 
 def reconcile(ctx: StageContext, job_id: uuid.UUID, resolution: str) -> str:

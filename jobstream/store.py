@@ -7,6 +7,7 @@ restarting) becomes :class:`RetryableError` ``db_unavailable``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from collections.abc import Iterator
@@ -445,7 +446,8 @@ class Store:
             conn.execute(Q["record_processed"], (group, claim.job["dedup_key"], event_type,
                                                  event_id, job_id))
 
-    def redrive(self, job_id: uuid.UUID, *, plan: Any, allowed: tuple[str, ...]) -> str:
+    def redrive(self, job_id: uuid.UUID, *, plan: Any, allowed: tuple[str, ...],
+                conn: psycopg.Connection | None = None) -> str:
         """Re-drive a job (ONE transaction): forget the stage workers' idempotent-consumer rows
         for the job, reopen failed or parked stages, reopen the job, and write the first
         stage's input event to the outbox.
@@ -455,30 +457,26 @@ class Store:
         generation), the stages to reopen and the (group, event type) rows to forget.
         Succeeded stages keep their checkpoints: they are re-emitted, not redone, unless
         their code version changed. Returns the job's previous status. Raises ``KeyError`` (no
-        such job) or ``ValueError`` (status not in ``allowed``).
+        such job) or ``ValueError`` (status not in ``allowed``). ``conn``: in the caller's
+        transaction instead (intake's new run of a failed or cancelled job). A cancelled job's
+        cancel request is cleared: its new run is not cancelled.
         """
-        with self.tx() as conn:
-            return self.redrive_in(conn, job_id, plan=plan, allowed=allowed)
-
-    def redrive_in(self, conn: psycopg.Connection, job_id: uuid.UUID, *, plan: Any,
-                   allowed: tuple[str, ...]) -> str:
-        """:meth:`redrive` in the caller's transaction ``conn``; a cancelled job's cancel
-        request is cleared (its new run is not cancelled). Raises as :meth:`redrive`."""
-        job = conn.execute(Q["get_job_for_update"], (job_id,)).fetchone()
-        if job is None:
-            raise KeyError(f"no job {job_id}")
-        if job["status"] not in allowed:
-            raise ValueError(f"job {job_id} is {job['status']}; redrive needs one of "
-                             f"{list(allowed)}")
-        rows = {r["stage"]: r for r in conn.execute(Q["list_stages"], (job_id,))}
-        msg, stages, groups, event_types = plan(dict(job), rows)
-        conn.execute(Q["forget_processed"], (job["dedup_key"], groups, event_types))
-        conn.execute(Q["reopen_stages"], (job_id, list(stages)))
-        conn.execute(Q["reopen_job"], (job["generation"] + 1, job_id))
-        if job["status"] == "cancelled":
-            conn.execute(Q["clear_cancel"], (job_id,))
-        self.add_outbox(conn, msg)
-        return str(job["status"])
+        with self.tx() if conn is None else contextlib.nullcontext(conn) as conn:
+            job = conn.execute(Q["get_job_for_update"], (job_id,)).fetchone()
+            if job is None:
+                raise KeyError(f"no job {job_id}")
+            if job["status"] not in allowed:
+                raise ValueError(f"job {job_id} is {job['status']}; redrive needs one of "
+                                 f"{list(allowed)}")
+            rows = {r["stage"]: r for r in conn.execute(Q["list_stages"], (job_id,))}
+            msg, stages, groups, event_types = plan(dict(job), rows)
+            conn.execute(Q["forget_processed"], (job["dedup_key"], groups, event_types))
+            conn.execute(Q["reopen_stages"], (job_id, list(stages)))
+            conn.execute(Q["reopen_job"], (job["generation"] + 1, job_id))
+            if job["status"] == "cancelled":
+                conn.execute(Q["clear_cancel"], (job_id,))
+            self.add_outbox(conn, msg)
+            return str(job["status"])
 
     def fail_parked(self, job_id: uuid.UUID, *, error_code: str, error: str,
                     failed_msg: OutboxMessage) -> None:

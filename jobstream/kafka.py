@@ -61,7 +61,7 @@ def all_topics(settings: Settings) -> list[str]:
 class LibrdkafkaLogger:
     """Where librdkafka's log lines go (the ``logger`` client setting) instead of raw
     ``%4|<time>|<FAC>|<client>| ...`` lines on stderr: the Python logger
-    ``jobstream.librdkafka``, WARNING and above only, as ``librdkafka <FACILITY>: <text>``.
+    ``jobstream.rdkafka``, WARNING and above only, as ``librdkafka <FACILITY>: <text>``.
 
     A line that repeats (same level, facility and text, numbers aside) within ``window_s``
     seconds is counted, not written again; the count is written as ``... (repeated N times in
@@ -69,7 +69,7 @@ class LibrdkafkaLogger:
     librdkafka calls it from its own threads.
     """
 
-    def __init__(self, name: str = "jobstream.librdkafka", window_s: float = 60.0) -> None:
+    def __init__(self, name: str = "jobstream.rdkafka", window_s: float = 60.0) -> None:
         self.out = logging.getLogger(name)
         self.window_s = window_s
         self._lock = threading.Lock()

@@ -46,7 +46,7 @@ def test_no_raw_librdkafka_lines_on_stderr(mode: str) -> None:
         assert raw, r.stderr
         return
     assert not raw, r.stderr
-    ours = [ln for ln in r.stderr.splitlines() if "jobstream.librdkafka" in ln]
+    ours = [ln for ln in r.stderr.splitlines() if "jobstream.rdkafka" in ln]
     assert ours and all("librdkafka FAIL:" in ln for ln in ours), r.stderr
     assert len(ours) <= 2, r.stderr  # dozens of identical connect failures, folded
 
@@ -54,7 +54,7 @@ def test_no_raw_librdkafka_lines_on_stderr(mode: str) -> None:
 def test_repeats_are_folded_with_a_count_and_info_is_dropped(
         caplog: pytest.LogCaptureFixture) -> None:
     logger = LibrdkafkaLogger(window_s=1.0)
-    with caplog.at_level(logging.DEBUG, logger="jobstream.librdkafka"):
+    with caplog.at_level(logging.DEBUG, logger="jobstream.rdkafka"):
         admin = AdminClient({"bootstrap.servers": _closed_port(), "logger": logger,
                              "reconnect.backoff.ms": 10, "reconnect.backoff.max.ms": 50})
         deadline = time.monotonic() + 4
@@ -62,7 +62,7 @@ def test_repeats_are_folded_with_a_count_and_info_is_dropped(
             admin.poll(0.2)
         logger.log(logging.INFO, "%s [%s] %s", "CONFWARN", "c", "informational: dropped")
         logger.log(logging.WARNING, "%s [%s] %s", "OTHER", "c", "a different line")
-    recs = [r for r in caplog.records if r.name == "jobstream.librdkafka"]
+    recs = [r for r in caplog.records if r.name == "jobstream.rdkafka"]
     texts = [r.getMessage() for r in recs]
     assert all(r.levelno >= logging.WARNING for r in recs), texts
     assert not any("informational" in t for t in texts)

@@ -24,8 +24,6 @@ def _logging(level: str) -> None:
     """Log to stderr at ``level`` in ``JOBSTREAM_LOG_FORMAT`` (text, or json lines)."""
     from jobstream.logs import configure
     configure(level, get_settings().log_format)
-    if level != "debug":  # aiokafka's INFO/DEBUG lines are noise; warnings still show
-        logging.getLogger("aiokafka").setLevel(logging.WARNING)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

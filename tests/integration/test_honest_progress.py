@@ -87,6 +87,12 @@ def test_failed_job_reports_the_failed_stage_and_a_new_key_starts_a_new_run(
                      (job_id,))[0]["current_stage"] == "llm_done"
         listing = procs.run("jobs", "--tenant", "acme", COLUMNS="250")
         assert "llm_done" in listing.stdout and "http_400" in listing.stdout, listing.stdout
+        with httpx.stream("GET", f"{api}/v1/jobs/{job_id}/events", headers=ACME,
+                          timeout=30) as resp:
+            lines = list(resp.iter_lines())
+        end = json.loads(lines[lines.index("event: end") + 1].removeprefix("data: "))
+        assert end == {"status": "failed", "current_stage": "llm_done",
+                       "error_code": "http_400", "waiting_for": None}, end
 
         # The same key again: the same (failed) job, no new work.
         again = _post(api, "first", body)

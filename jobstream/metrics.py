@@ -35,6 +35,8 @@ provider_latency_seconds{model_profile,lane} gauge histogram  provider attempts'
                                                        window
 outbox_backlog                               gauge     unpublished outbox rows
 outbox_oldest_age_seconds                    gauge     age of the oldest unpublished row
+dead_letters_stored{source,reason_code}      gauge     dead_letter rows not replayed (a DLQ
+                                                       that refused them, relay-parked rows)
 consumer_lag_messages{group,topic}           gauge     high watermark - committed offset
 consumer_group_lag_messages{group}           gauge     the same, summed per group
 topic_produced_total{topic}                  counter   messages ever written to a ``.retry`` /
@@ -200,7 +202,12 @@ def postgres_families(snap: dict[str, list[dict[str, Any]]]) -> list[Metric]:
         ceiling.add_metric([r["profile"]], float(r["max_limit"]))
         holding.add_metric([r["profile"]], int(r["in_flight"]))
         halved.add_metric([r["profile"]], int(r["decreases"]))
-    return [window, ceiling, holding, halved,
+    stored = GaugeMetricFamily(f"{NS}_dead_letters_stored", "Dead letters kept in the Postgres "
+                               "dead_letter table and not replayed (source: consumer or relay).",
+                               labels=["source", "reason_code"])
+    for r in snap.get("dead_letters", []):
+        stored.add_metric([r["source"], r["reason_code"]], int(r["n"]))
+    return [window, ceiling, holding, halved, stored,
             created, accepted, by_status, runs, retries, rate, takeovers, expired, attempts,
             in_flight, unknown, limited, cost, per_job, backlog, age,
             _histogram(f"{NS}_queue_wait_seconds", "Queue wait of stages finished in the "

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 from confluent_kafka.admin import AdminClient
@@ -53,8 +54,10 @@ def test_no_raw_librdkafka_lines_on_stderr(mode: str) -> None:
 
 def test_repeats_are_folded_with_a_count_and_info_is_dropped(
         caplog: pytest.LogCaptureFixture) -> None:
-    logger = LibrdkafkaLogger(window_s=1.0)
-    with caplog.at_level(logging.DEBUG, logger="jobstream.rdkafka"):
+    # A logger of its own: clients of earlier tests (same process) log to jobstream.rdkafka.
+    name = f"test.rdkafka.{uuid.uuid4().hex}"
+    logger = LibrdkafkaLogger(name=name, window_s=1.0)
+    with caplog.at_level(logging.DEBUG, logger=name):
         admin = AdminClient({"bootstrap.servers": _closed_port(), "logger": logger,
                              "reconnect.backoff.ms": 10, "reconnect.backoff.max.ms": 50})
         deadline = time.monotonic() + 4
@@ -62,7 +65,7 @@ def test_repeats_are_folded_with_a_count_and_info_is_dropped(
             admin.poll(0.2)
         logger.log(logging.INFO, "%s [%s] %s", "CONFWARN", "c", "informational: dropped")
         logger.log(logging.WARNING, "%s [%s] %s", "OTHER", "c", "a different line")
-    recs = [r for r in caplog.records if r.name == "jobstream.rdkafka"]
+    recs = [r for r in caplog.records if r.name == name]
     texts = [r.getMessage() for r in recs]
     assert all(r.levelno >= logging.WARNING for r in recs), texts
     assert not any("informational" in t for t in texts)

@@ -311,6 +311,10 @@ class Settings(BaseSettings):
     api_emit_uploaded: bool = Field(
         False, description="The API also writes document.uploaded to the outbox for others."
     )
+    sse_keepalive_s: float = Field(
+        15.0, gt=0, description="Server-Sent Events: a keep-alive comment after this many "
+                                "seconds without an event (seconds; proxies cut idle streams)."
+    )
 
     @model_validator(mode="after")
     def _lease_outlives_heartbeats(self) -> Settings:

@@ -201,11 +201,20 @@ UPDATE job_stage SET status = 'failed', error_code = 'cancelled_by_user',
    AND EXISTS (SELECT 1 FROM job j WHERE j.job_id = job_stage.job_id AND j.generation = %s);
 
 -- name: request_cancel
--- "Cancelled by user": the flag workers check between and during stages.
+-- "Cancelled by user": the flag workers check between and during stages. A finished job is
+-- left as it is (no row: see api_job_status).
 UPDATE job SET cancel_requested = true, cancel_requested_at = coalesce(cancel_requested_at, now()),
                updated_at = now()
- WHERE job_id = %s AND tenant_id = %s
+ WHERE job_id = %s AND tenant_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled')
 RETURNING status;
+
+-- name: api_job_status
+SELECT status, cancel_requested FROM job WHERE job_id = %s AND tenant_id = %s;
+
+-- name: clear_cancel
+-- A new run of a cancelled job (a new intent for the same computation) is not cancelled.
+UPDATE job SET cancel_requested = false, cancel_requested_at = NULL, updated_at = now()
+ WHERE job_id = %s;
 
 -- name: request_cancel_batch
 UPDATE job SET cancel_requested = true, cancel_requested_at = coalesce(cancel_requested_at, now()),
@@ -235,7 +244,12 @@ UPDATE job_stage
    AND status = 'running';
 
 -- name: park_job
-UPDATE job SET status = 'needs_reconciliation', error_code = %s, error = %s, updated_at = now()
+-- current_stage becomes the parked stage (parked in the same transaction, before this).
+UPDATE job SET status = 'needs_reconciliation', error_code = %s, error = %s, updated_at = now(),
+               current_stage = coalesce((SELECT s.stage FROM job_stage s
+                                          WHERE s.job_id = job.job_id
+                                            AND s.status = 'needs_reconciliation'
+                                          ORDER BY s.updated_at DESC LIMIT 1), current_stage)
  WHERE job_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled');
 
 -- name: jobs_needing_reconciliation
@@ -291,8 +305,13 @@ UPDATE job SET status = 'succeeded', current_stage = 'published', charge_usd = %
  WHERE job_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled');
 
 -- name: fail_job
+-- current_stage becomes the stage that failed (its checkpoint is failed in the same
+-- transaction, before this), not the last one that succeeded.
 UPDATE job SET status = 'failed', error_code = %s, error = %s, finished_at = now(),
-               updated_at = now()
+               updated_at = now(),
+               current_stage = coalesce((SELECT s.stage FROM job_stage s
+                                          WHERE s.job_id = job.job_id AND s.status = 'failed'
+                                          ORDER BY s.updated_at DESC LIMIT 1), current_stage)
  WHERE job_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled');
 
 -- name: cancel_job
@@ -629,8 +648,10 @@ SELECT stage, coalesce(sum(attempt), 0)::bigint AS runs,
   FROM job_stage WHERE stage <> 'uploaded' GROUP BY stage;
 
 -- name: metrics_provider_attempts
--- Provider attempts per outcome and model profile, with their cost (USD).
-SELECT outcome, model_profile, count(*) AS n, coalesce(sum(cost_usd), 0)::float8 AS cost_usd
+-- Provider attempts per outcome and model profile, with their cost (USD) and how many the
+-- provider answered 429.
+SELECT outcome, model_profile, count(*) AS n, coalesce(sum(cost_usd), 0)::float8 AS cost_usd,
+       count(*) FILTER (WHERE status_code = 429) AS rate_limited
   FROM provider_attempt GROUP BY outcome, model_profile;
 
 -- name: metrics_stage_durations
@@ -647,6 +668,19 @@ SELECT stage, lane,
        (SELECT count(*) FROM unnest(%(bounds)s::float8[]) AS b(le) WHERE b.le < d.v) AS idx,
        count(*) AS n, sum(v)::float8 AS sum_s
   FROM d GROUP BY stage, lane, idx;
+
+-- name: metrics_provider_latency
+-- Latency (seconds) of provider attempts that finished in the last %(window_s)s seconds, per
+-- model profile and lane; buckets as in metrics_stage_durations.
+WITH d AS (
+    SELECT a.model_profile, j.lane, greatest(a.latency_ms / 1000.0, 0)::float8 AS v
+      FROM provider_attempt a JOIN job j USING (job_id)
+     WHERE a.finished_at >= now() - make_interval(secs => %(window_s)s)
+       AND a.latency_ms IS NOT NULL)
+SELECT model_profile, lane,
+       (SELECT count(*) FROM unnest(%(bounds)s::float8[]) AS b(le) WHERE b.le < d.v) AS idx,
+       count(*) AS n, sum(v)::float8 AS sum_s
+  FROM d GROUP BY model_profile, lane, idx;
 
 -- name: metrics_queue_waits
 -- Queue wait (seconds) of stages that succeeded in the last %(window_s)s seconds: from the

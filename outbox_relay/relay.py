@@ -205,7 +205,13 @@ class OutboxRelay:
 
 
 def main(settings: Settings) -> int:
-    """Run a relay in the foreground until SIGINT/SIGTERM; returns the exit code."""
+    """Run a relay in the foreground until SIGINT/SIGTERM; returns the exit code (2 when
+    the Debezium relay owns the outbox: the two must never publish the same rows)."""
+    from jobstream.connect import relay_refusal
+    reason = relay_refusal(settings)
+    if reason is not None:
+        log.error("the Python relay refuses to start: %s", reason)
+        return 2
     relay = OutboxRelay(settings)
     signal.signal(signal.SIGTERM, relay.stop)
     signal.signal(signal.SIGINT, relay.stop)

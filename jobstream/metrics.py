@@ -32,6 +32,8 @@ queue_wait_seconds{stage,lane}               gauge histogram  previous checkpoin
 stage_duration_seconds{stage,lane}           gauge histogram  claim -> checkpoint, same window
 outbox_backlog                               gauge     unpublished outbox rows
 outbox_oldest_age_seconds                    gauge     age of the oldest unpublished row
+replication_slot_retained_bytes{slot}        gauge     WAL held back by a logical slot (bytes)
+replication_slot_active{slot}                gauge     1 when the slot is being streamed
 consumer_lag_messages{group,topic}           gauge     high watermark - committed offset
 consumer_group_lag_messages{group}           gauge     the same, summed per group
 metrics_source_up{source}                    gauge     1 when postgres/kafka answered
@@ -181,7 +183,17 @@ def postgres_families(snap: dict[str, list[dict[str, Any]]]) -> list[Metric]:
         ceiling.add_metric([r["profile"]], float(r["max_limit"]))
         holding.add_metric([r["profile"]], int(r["in_flight"]))
         halved.add_metric([r["profile"]], int(r["decreases"]))
-    return [window, ceiling, holding, halved,
+    retained = GaugeMetricFamily(f"{NS}_replication_slot_retained_bytes", "WAL a logical "
+                                 "replication slot of this database holds back: current LSN - "
+                                 "restart_lsn (bytes). Grows while the Debezium relay is down.",
+                                 labels=["slot"])
+    slot_active = GaugeMetricFamily(f"{NS}_replication_slot_active", "1 when a walsender "
+                                    "(the Debezium connector) streams from the slot.",
+                                    labels=["slot"])
+    for r in snap.get("replication_slots", []):
+        retained.add_metric([r["slot"]], int(r["retained_bytes"]))
+        slot_active.add_metric([r["slot"]], 1 if r["active"] else 0)
+    return [window, ceiling, holding, halved, retained, slot_active,
             created, accepted, by_status, runs, retries, rate, takeovers, expired, attempts,
             in_flight, unknown, cost, per_job, backlog, age,
             _histogram(f"{NS}_queue_wait_seconds", "Queue wait of stages finished in the "

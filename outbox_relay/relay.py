@@ -66,7 +66,10 @@ class OutboxRelay:
         self.settings = settings
         self.stats = RelayStats()
         self._stop = threading.Event()
-        self._producer = Producer(producer_config(settings, **{"client.id": "jobstream-relay"}))
+        # murmur2_random: the Java client's partitioner, so a key lands on the partition
+        # Kafka Connect (the Debezium relay) would choose: one key, one partition, either relay.
+        self._producer = Producer(producer_config(settings, **{"client.id": "jobstream-relay",
+                                                               "partitioner": "murmur2_random"}))
         self._ctx: Any = None  # StageContext of the sweeper, made on first use
 
     def stop(self, *_: Any) -> None:

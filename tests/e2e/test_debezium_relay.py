@@ -253,7 +253,10 @@ def test_pipeline_and_demo_exactly_once_with_debezium_publishing_the_outbox(
 
 
 def _scrape(port: int) -> dict[str, float]:
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    except httpx.TransportError:  # the metrics process is still starting
+        return {}
     out = {}
     for line in text.splitlines():
         if line.startswith("jobstream_replication_slot_"):

@@ -705,7 +705,7 @@ start_connect_process() {
   nohup setsid bash -c 'echo $$ >"$0"; cd "$1" && shift && exec "$@"' \
     "$CONNECT_PID" "$CONNECT_DIR" \
     "$JAVA" $CONNECT_HEAP_OPTS -XX:+UseG1GC -XX:+ExitOnOutOfMemoryError \
-    -XX:TieredStopAtLevel=1 -Djava.awt.headless=true \
+    -Djava.awt.headless=true \
     -Dconnect.logs.dir="$CONNECT_LOGS" -Dlog4j2.configurationFile="$CONNECT_LOG4J" \
     -cp "$CONNECT_LIBS/*" org.apache.kafka.connect.cli.ConnectDistributed "$CONNECT_CONF" \
     </dev/null >>"$CONNECT_OUT" 2>&1 9>&- &

@@ -208,6 +208,25 @@ def test_python_relay_refuses_while_the_connector_owns_the_outbox(
     assert st.returncode == 0, st.stdout + st.stderr
     info = json.loads(st.stdout)
     assert info["state"] == "RUNNING" and info["slots"][0]["active"] is True
+    # WAL written and not yet confirmed by the connector: over a threshold of 0 bytes.
+    with db_connect(s.database_url) as conn, conn.transaction():
+        for _ in range(50):
+            topic, ev = _text_extracted(s.topic("job.text_extracted"))
+            Store.add_outbox(conn, outbox_message(topic, ev))  # type: ignore[arg-type]
+    lagging = dbz.check_replication_slot(s.model_copy(update={"slot_retained_alert_bytes": 0}))
+    assert [f.severity for f in lagging] == ["warning"], lagging
+    assert lagging[0].details["retained_bytes"] > 0
+    assert all(f.ok for f in dbz.check_replication_slot(s))
+
+
+def test_connect_worker_keeps_its_state_in_compacted_topics(worker: Worker,
+                                                            endpoints: Endpoints) -> None:
+    from confluent_kafka.admin import ConfigResource
+    admin = AdminClient({"bootstrap.servers": endpoints.kafka})
+    names = [f"{worker.group}-{t}" for t in ("configs", "offsets", "status")]
+    res = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, n) for n in names])
+    for r, f in res.items():
+        assert f.result(timeout=30)["cleanup.policy"].value == "compact", r
 
 
 def test_pipeline_and_demo_exactly_once_with_debezium_publishing_the_outbox(

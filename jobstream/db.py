@@ -3,15 +3,13 @@
 Every SQL statement lives in ``jobstream/sql/queries.sql`` under a ``-- name: <name>`` header and
 is looked up as ``QUERIES["<name>"]`` (parametrised with psycopg placeholders; never
 string-formatted). Migrations are numbered plain ``.sql`` files in ``jobstream/migrations``;
-``migrate()`` applies the missing ones, each in its own transaction, under an advisory lock so
-concurrent callers are safe.
+``migrate()`` applies the missing ones in order, all in ONE transaction (all or none) under an
+advisory transaction lock, so concurrent callers are safe.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 
@@ -40,13 +38,6 @@ def connect(url: str, *, autocommit: bool = False) -> psycopg.Connection:
     return psycopg.connect(url, autocommit=autocommit, row_factory=dict_row, connect_timeout=10)
 
 
-@contextmanager
-def transaction(url: str) -> Iterator[psycopg.Connection]:
-    """A short-lived connection whose block is one transaction (commit on success)."""
-    with connect(url) as conn, conn.transaction():
-        yield conn
-
-
 def migration_files() -> list[tuple[int, str, str]]:
     """``(version, name, sql)`` for every migration file, in version order."""
     out = []
@@ -59,7 +50,8 @@ def migration_files() -> list[tuple[int, str, str]]:
 def migrate(url: str) -> list[str]:
     """Apply missing migrations; returns the names applied (empty when up to date).
 
-    Idempotent and safe to run concurrently (pg_advisory_xact_lock serialises callers).
+    Idempotent and safe to run concurrently (pg_advisory_xact_lock serialises callers). All
+    missing migrations run in one transaction: a failing file leaves the schema as it was.
     """
     applied: list[str] = []
     with connect(url) as conn, conn.transaction():

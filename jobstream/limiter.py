@@ -102,8 +102,3 @@ class SharedLimiter:
                 conn.execute(Q["limit_increase"], (slot.profile,))
             elif outcome == "rate_limited":
                 conn.execute(Q["limit_decrease"], (slot.profile, self.decrease_window_s))
-
-    def state(self) -> list[dict[str, object]]:
-        """Per profile: current window, ceiling, reserved slots, decreases, calls in flight."""
-        with self.store.tx() as conn:
-            return list(conn.execute(Q["limit_state"]))

@@ -36,7 +36,12 @@ replication_slot_retained_bytes{slot}        gauge     WAL held back by a logica
 replication_slot_active{slot}                gauge     1 when the slot is being streamed
 consumer_lag_messages{group,topic}           gauge     high watermark - committed offset
 consumer_group_lag_messages{group}           gauge     the same, summed per group
+provider_limit_window{profile}               gauge     the shared AIMD window (calls in flight)
+provider_limit_max{profile}                  gauge     the window's ceiling
+provider_limit_in_flight{profile}            gauge     slots of the shared limit held now
+provider_limit_decreases_total{profile}      counter   times a 429 halved the window
 metrics_source_up{source}                    gauge     1 when postgres/kafka answered
+metrics_source_duration_seconds{source}      gauge     time to read the source this scrape
 ============================================ ========= ==========================================
 """
 

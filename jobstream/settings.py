@@ -208,10 +208,6 @@ class Settings(BaseSettings):
     api_emit_uploaded: bool = Field(
         False, description="The API also writes document.uploaded to the outbox for others."
     )
-    fault: str | None = Field(
-        None,
-        description="Fault-injection point at which the process SIGKILLs itself (tests only).",
-    )
 
     def topic(self, name: str) -> str:
         """Full topic name for a logical topic ``name`` (adds :attr:`topic_prefix`)."""

@@ -118,6 +118,11 @@ def render() -> dict[str, Any]:
                                 ref_template="#/components/schemas/{model}")
     schemas: dict[str, Any] = dict(sorted(top["$defs"].items()))
     model_name = {t: m.__name__ for t, m in EVENT_MODELS.items()}
+    lane_of = {v: k for k, v in LANE_TOPICS.items()}
+
+    def event_type_of(topic: str) -> str:
+        """The event type a topic carries (a lane topic carries its base topic's type)."""
+        return lane_of.get(topic, topic)
 
     messages: dict[str, Any] = {}
     channels: dict[str, Any] = {}
@@ -130,7 +135,7 @@ def render() -> dict[str, Any]:
         headers = {**_event_headers(topic), **REPLAY_HEADERS}
         required = (tuple(EVENT_HEADERS) + tuple(JOB_HEADERS)) if job_event else ()
         mid = _id(topic)
-        etype = {v: k for k, v in LANE_TOPICS.items()}.get(topic, topic)  # lane topics
+        etype = event_type_of(topic)
         model = EVENT_MODELS[etype]
         messages[mid] = {
             "name": topic, "title": topic,
@@ -180,7 +185,7 @@ def render() -> dict[str, Any]:
             "contentType": "application/json",
             "headers": _headers({**_event_headers(topic), **RETRY_HEADERS},
                                 tuple(RETRY_HEADERS)),
-            "payload": {"$ref": f"#/components/schemas/{model_name[etype]}"},
+            "payload": {"$ref": f"#/components/schemas/{model_name[event_type_of(topic)]}"},
             "bindings": messages[src]["bindings"],
         }
         channels[mid] = {
@@ -204,7 +209,8 @@ def render() -> dict[str, Any]:
             "headers": _headers({**_event_headers(topic), **DLQ_HEADERS},
                                 tuple(DLQ_HEADERS)),
             "payload": {"description": "The original value bytes, unchanged (the "
-                                       f"{model_name[etype]} schema when it was valid JSON)."},
+                                       f"{model_name[event_type_of(topic)]} schema when it "
+                                       "was valid JSON)."},
             "bindings": {"kafka": {"key": {"type": "string",
                                            "description": "The original key, unchanged."},
                                    "bindingVersion": KAFKA_BINDING_VERSION}},

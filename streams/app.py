@@ -7,6 +7,8 @@ configuration, not a side effect of whichever worker started first.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Iterable
 
 import faust
@@ -41,10 +43,17 @@ def create_app(settings: Settings, stages: Iterable[str] | None = None,
         raise KeyError(f"unknown stages {unknown}; known: {list(AGENTS)}")
     session_s = settings.consumer_session_timeout_ms / 1000
     group = settings.group("jobstream-streams" + ("" if lane == "all" else f"-{lane}"))
+    # faust keeps its table/leader state in ``datadir`` (default: ./<app id>-data in the working
+    # directory); with memory:// stores nothing there outlives the process. faust does not create
+    # the parent folder.
+    datadir = os.path.join(tempfile.gettempdir(), "jobstream-faust")
+    os.makedirs(datadir, exist_ok=True)
+    datadir = os.path.join(datadir, group)
     app = faust.App(
         group,
         broker=[f"kafka://{h.strip()}" for h in settings.kafka_bootstrap_servers.split(",")],
         store="memory://",
+        datadir=datadir,
         web_enabled=False,
         topic_disable_leader=True,
         topic_allow_declare=False,

@@ -71,7 +71,10 @@ def get_profile(name: str) -> ModelProfile:
 
 
 def get_prompt(version: str) -> str:
-    """The system prompt of ``version``. Raises :class:`PermanentError` (``unknown_prompt``)."""
+    """The system prompt of ``version``.
+
+    Raises :class:`PermanentError` with code ``unknown_prompt_version``.
+    """
     try:
         return PROMPTS[version]
     except KeyError:

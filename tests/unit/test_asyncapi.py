@@ -100,3 +100,24 @@ def test_documented_headers_are_the_ones_the_code_writes() -> None:
     dlq_src = (Path(__file__).parents[2] / "jobstream" / "dlq.py").read_text()
     for name in asyncapi.REPLAY_HEADERS:
         assert name in dlq_src, name
+
+
+def test_every_message_payload_names_its_own_event_model() -> None:
+    """Each topic's message (and its .retry / .dlq twin) points at the model of the event
+    type that topic carries — a reused loop variable once made every twin say JobFailed."""
+    from schemas.events import EVENT_MODELS
+
+    lane_of = {v: k for k, v in asyncapi.LANE_TOPICS.items()}
+    messages = _doc()["components"]["messages"]
+    checked = 0
+    for msg in messages.values():
+        name = msg["name"]
+        base = name.removesuffix(".retry").removesuffix(".dlq")
+        model = EVENT_MODELS[lane_of.get(base, base)].__name__
+        payload = msg["payload"]
+        if name.endswith(".dlq"):
+            assert f"the {model} schema" in payload["description"], name
+        else:
+            assert payload["$ref"] == f"#/components/schemas/{model}", name
+        checked += 1
+    assert checked >= len(EVENT_MODELS) + 5  # topics, .retry twins and .dlq twins

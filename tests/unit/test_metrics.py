@@ -90,3 +90,21 @@ def test_kafka_families_per_topic_and_per_group() -> None:
     assert m[("jobstream_consumer_lag_messages", (("group", "g1"), ("topic", "a")))] == 2
     assert m[("jobstream_consumer_group_lag_messages", (("group", "g1"),))] == 5
     assert ("jobstream_consumer_group_lag_messages", (("group", "idle"),)) not in m
+
+
+def test_module_docstring_lists_every_exported_family() -> None:
+    """The metrics table in jobstream/metrics.py names every family the collector builds (and
+    nothing else): operators read it as the list of what exists."""
+    import re
+    from pathlib import Path
+
+    from jobstream import metrics
+
+    source = Path(metrics.__file__).read_text()
+    built = set(re.findall(r'f"\{NS\}_([a-z_]+)"', source))
+    table = {re.sub(r"_total$", "", m) for m in
+             re.findall(r"^([a-z_]+)(?:\{[^}]*\})?\s+(?:counter|gauge)", metrics.__doc__ or "",
+                        re.MULTILINE)}
+    assert built, "no metric family found in the source"
+    assert built - table == set(), "exported but not in the docstring table"
+    assert table - built == set(), "in the docstring table but not exported"

@@ -106,3 +106,15 @@ def test_merge_validates_and_ranks_keywords() -> None:
     with pytest.raises(PermanentError) as exc:
         merge_analyses("f.txt", [{"summary": "x"}])  # keywords missing
     assert exc.value.code == "invalid_model_output"
+
+
+def test_get_prompt_raises_the_code_its_docstring_names() -> None:
+    import pytest
+
+    from jobstream.errors import PermanentError
+    from jobstream.llm.profiles import get_prompt
+
+    with pytest.raises(PermanentError) as info:
+        get_prompt("no-such-prompt")
+    assert info.value.code == "unknown_prompt_version"
+    assert info.value.code in (get_prompt.__doc__ or "")

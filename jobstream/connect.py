@@ -42,6 +42,15 @@ TEMPLATE = Path(__file__).resolve().parent / "debezium" / "outbox-connector.json
 #: The active-relay advisory lock of outbox_relay.relay (kept here to avoid importing it).
 RELAY_LOCK_ID = 0x6F757462
 _SLOT_CHARS = re.compile(r"[^a-z0-9_]")
+_TOPIC_CHARS = re.compile(r"^[A-Za-z0-9._-]+$")
+#: The one table of the connector's publication.
+PUBLISHED = {"public.outbox"}
+#: Logical topic of the relay's heartbeat events (``<prefix>relay.heartbeat``): the connector
+#: writes one outbox row every ``connect_heartbeat_s`` (``heartbeat.action.query``) so its
+#: slot advances on a quiet database while other databases of the server write WAL (without
+#: it the slot held 2.4 GB behind an active connector here). Events the router drops (like
+#: Debezium's own heartbeat records) do not advance the slot; a delivered one does.
+HEARTBEAT_TOPIC = "relay.heartbeat"
 
 
 class ConnectError(Exception):
@@ -97,7 +106,11 @@ def render_config(settings: Settings) -> dict[str, str]:
         "db_user": str(info.get("user") or "postgres"),
         "db_password": str(info.get("password") or ""), "db_name": _dbname(settings),
         "slot": n.slot, "publication": n.publication, "logical_name": n.logical_name,
+        "heartbeat_ms": str(int(settings.connect_heartbeat_s * 1000)),
+        "heartbeat_topic": settings.topic(HEARTBEAT_TOPIC),
     }
+    if not _TOPIC_CHARS.match(values["heartbeat_topic"]):
+        raise ValueError(f"not a Kafka topic name: {values['heartbeat_topic']!r}")
     raw = json.loads(TEMPLATE.read_text())
     return {k: re.sub(r"\{\{(\w+)\}\}", lambda m: values[m.group(1)], v)
             for k, v in raw.items() if not k.startswith("_")}
@@ -180,11 +193,31 @@ def _wait_slot(settings: Settings, slot: str, timeout_s: float) -> None:
     raise ConnectError(f"replication slot {slot} not active after {timeout_s:.0f}s")
 
 
+def _ensure_heartbeat_topic(settings: Settings) -> None:
+    """Create ``<prefix>relay.heartbeat`` (1 partition, 1 hour retention) if missing."""
+    from confluent_kafka import KafkaError, KafkaException
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    from jobstream.kafka import base_config
+    topic = settings.topic(HEARTBEAT_TOPIC)
+    admin = AdminClient(base_config(settings))
+    fut = admin.create_topics([NewTopic(topic, num_partitions=1,
+                                        replication_factor=settings.topic_replication,
+                                        config={"retention.ms": "3600000"})])[topic]
+    try:
+        fut.result(30)
+    except KafkaException as exc:
+        if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+            raise ConnectError(f"could not create {topic}: {exc}") from None
+
+
 def deploy(settings: Settings, *, timeout_s: float = 120.0) -> dict[str, Any]:
     """Register (or update) the outbox connector and switch the outbox to the Debezium relay.
 
     Steps: refuse while a Python relay holds the active-relay lock; create the publication
-    (outbox only); enable the header trigger; ``PUT /connectors/<name>/config``; wait until
+    (the outbox only); create the heartbeat topic; enable the header trigger; register the
+    connector (new: created stopped, stale offsets of that name reset, resumed; existing: its
+    config updated); wait until
     the task runs and its slot is active; enable the delete-on-insert trigger; re-insert
     rows the Python relay left unpublished so the connector streams them too. Idempotent.
     Returns :func:`status`. Raises :class:`ConnectError` (Connect refused, task failed, not
@@ -201,14 +234,29 @@ def deploy(settings: Settings, *, timeout_s: float = 120.0) -> dict[str, Any]:
                 sql.Identifier(n.publication)))
         tables = {r["t"] for r in conn.execute(Q["debezium_publication_tables"],
                                               (n.publication,))}
-        if tables != {"public.outbox"}:
+        if tables != PUBLISHED:
             raise RuntimeError(f"publication {n.publication} carries {sorted(tables)}, "
-                               "not only public.outbox")
+                               f"not {sorted(PUBLISHED)}")
         conn.execute(Q["debezium_enable_headers"])
-    r = _request(settings, "PUT", f"/connectors/{n.connector}/config",
-                 json=render_config(settings))
-    if r.status_code not in (200, 201):
-        raise ConnectError(f"PUT config: HTTP {r.status_code} {r.text[:500]}")
+    _ensure_heartbeat_topic(settings)
+    cfg = render_config(settings)
+    if connector_status(settings) is None:
+        # New: created STOPPED (KIP-980) and any offsets a former connector of this name
+        # left are reset, so it starts at its slot's position, then resumed.
+        r = _request(settings, "POST", "/connectors", json={
+            "name": n.connector, "config": cfg, "initial_state": "STOPPED"})
+        if r.status_code not in (200, 201):
+            raise ConnectError(f"POST connector: HTTP {r.status_code} {r.text[:500]}")
+        r = _request(settings, "DELETE", f"/connectors/{n.connector}/offsets")
+        if r.status_code not in (200, 404):
+            raise ConnectError(f"DELETE offsets: HTTP {r.status_code} {r.text[:500]}")
+        r = _request(settings, "PUT", f"/connectors/{n.connector}/resume")
+        if r.status_code not in (200, 202, 204):
+            raise ConnectError(f"PUT resume: HTTP {r.status_code} {r.text[:500]}")
+    else:
+        r = _request(settings, "PUT", f"/connectors/{n.connector}/config", json=cfg)
+        if r.status_code not in (200, 201):
+            raise ConnectError(f"PUT config: HTTP {r.status_code} {r.text[:500]}")
     _wait_running(settings, timeout_s)
     _wait_slot(settings, n.slot, timeout_s)
     with connect(settings.database_url) as conn, conn.transaction():
@@ -218,16 +266,15 @@ def deploy(settings: Settings, *, timeout_s: float = 120.0) -> dict[str, Any]:
 
 
 def delete(settings: Settings, *, timeout_s: float = 60.0) -> list[str]:
-    """Unregister the connector, drop its replication slot and publication, and switch the
-    outbox back to the Python relay (triggers off). Returns what was done (lines). Connect
-    being down only skips the unregistering (the slot is dropped once no walsender uses
-    it; ``RuntimeError`` when it stays active ``timeout_s`` seconds)."""
+    """Unregister the connector (stopped, its offsets reset, deleted), drop its replication
+    slot and publication, and switch the outbox back to the Python relay (triggers off).
+    Returns what was done (lines). Connect being down only skips the unregistering (the slot
+    is dropped once no walsender uses it; ``RuntimeError`` when it stays active
+    ``timeout_s`` seconds)."""
     n = names(settings)
     done: list[str] = []
     try:
-        r = _request(settings, "DELETE", f"/connectors/{n.connector}")
-        done.append(f"connector {n.connector}: "
-                    + ("deleted" if r.status_code in (200, 204) else f"HTTP {r.status_code}"))
+        done += _unregister(settings, n.connector, timeout_s)
     except ConnectError as exc:
         done.append(f"connector {n.connector}: not deleted ({exc})")
     deadline = time.monotonic() + timeout_s
@@ -250,6 +297,31 @@ def delete(settings: Settings, *, timeout_s: float = 60.0) -> list[str]:
             sql.Identifier(n.publication)))
         done.append(f"publication {n.publication} dropped")
     return done
+
+
+def _unregister(settings: Settings, connector: str, timeout_s: float) -> list[str]:
+    """Stop the connector, reset its source offsets, delete it. Connect keeps a deleted
+    connector's offsets (the LSN it had reached) under its name: a later deploy with a new
+    slot would resume from that LSN, which the new slot no longer has, and fail. Offsets can
+    only be reset on a STOPPED connector (KIP-875)."""
+    r = _request(settings, "PUT", f"/connectors/{connector}/stop")
+    if r.status_code == 404:
+        return [f"connector {connector}: not registered"]
+    if r.status_code not in (200, 202, 204):
+        raise ConnectError(f"PUT stop: HTTP {r.status_code} {r.text[:300]}")
+    deadline = time.monotonic() + timeout_s
+    while (st := connector_status(settings)) and st["connector"]["state"] != "STOPPED":
+        if time.monotonic() > deadline:
+            raise ConnectError(f"connector {connector} not STOPPED after {timeout_s:.0f}s")
+        time.sleep(0.3)
+    out = []
+    r = _request(settings, "DELETE", f"/connectors/{connector}/offsets")
+    out.append(f"connector {connector}: offsets "
+               + ("reset" if r.status_code == 200 else f"not reset (HTTP {r.status_code})"))
+    r = _request(settings, "DELETE", f"/connectors/{connector}")
+    out.append(f"connector {connector}: "
+               + ("deleted" if r.status_code in (200, 204) else f"HTTP {r.status_code}"))
+    return out
 
 
 def status(settings: Settings) -> dict[str, Any]:

@@ -172,6 +172,10 @@ class Settings(BaseSettings):
         "jobstream_outbox", description="Publication the Debezium relay reads: the outbox "
                                         "table only."
     )
+    connect_heartbeat_s: float = Field(
+        10.0, gt=0, description="The Debezium connector touches relay_heartbeat this often, so "
+                                "its slot advances on a quiet database (seconds)."
+    )
     slot_retained_alert_bytes: int = Field(
         1024 ** 3, ge=0, description="jobstream verify flags a replication slot retaining more "
                                      "WAL than this (bytes)."

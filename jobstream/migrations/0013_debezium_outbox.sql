@@ -47,3 +47,4 @@ CREATE TRIGGER outbox_forget_v1 AFTER INSERT ON outbox
 -- `jobstream connect deploy` enables them, `jobstream connect delete` disables them again.
 ALTER TABLE outbox DISABLE TRIGGER outbox_headers_v1;
 ALTER TABLE outbox DISABLE TRIGGER outbox_forget_v1;
+

@@ -153,7 +153,8 @@ def _event_id(m) -> str:  # type: ignore[no-untyped-def]
 
 def test_both_relays_send_identical_messages_for_the_same_outbox_rows(
         dbz_settings: Settings, tmp_path: Path) -> None:
-    s = dbz_settings
+    # No heartbeat rows in this test: the Python relay would publish them too.
+    s = dbz_settings.model_copy(update={"connect_heartbeat_s": 3600.0})
     dbz.deploy(s)
     # Keep the rows for the Python relay too (deploy deletes them on insert): both relays
     # then publish the very same rows to the very same topics.
@@ -217,6 +218,29 @@ def test_python_relay_refuses_while_the_connector_owns_the_outbox(
     assert [f.severity for f in lagging] == ["warning"], lagging
     assert lagging[0].details["retained_bytes"] > 0
     assert all(f.ok for f in dbz.check_replication_slot(s))
+
+
+def test_a_quiet_outbox_still_lets_its_slot_advance_and_a_redeploy_starts_clean(
+        dbz_settings: Settings) -> None:
+    s = dbz_settings.model_copy(update={"connect_heartbeat_s": 1.0})
+    dbz.deploy(s)
+    # 8 MB of WAL that the publication does not carry (as other databases of the server
+    # would write): only the connector's heartbeat rows let it confirm past them.
+    with db_connect(s.database_url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE wal_filler AS SELECT repeat('x', 1000) AS x "
+                     "FROM generate_series(1, 8000)")
+    filled = dbz.slot_stats(s)[0]["unconfirmed_bytes"]
+    assert filled > 8_000_000
+    wait_for(lambda: dbz.slot_stats(s)[0]["unconfirmed_bytes"] < 1_000_000, 60,
+             "the slot confirmed past the WAL of other tables", lambda: str(dbz.status(s)))
+    # delete + deploy: the new connector starts at the new slot, not at the old offsets.
+    dbz.delete(s)
+    dbz.deploy(s)
+    topic, ev = _text_extracted(s.topic("job.text_extracted"))
+    with db_connect(s.database_url) as conn, conn.transaction():
+        Store.add_outbox(conn, outbox_message(topic, ev))  # type: ignore[arg-type]
+    wait_for(lambda: str(ev.event_id) in {_event_id(m) for m in read_topic(s, topic)}, 60,  # type: ignore[attr-defined]
+             "the event of the redeployed connector", lambda: str(dbz.status(s)))
 
 
 def test_connect_worker_keeps_its_state_in_compacted_topics(worker: Worker,

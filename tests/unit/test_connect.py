@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import uuid
 
+import pytest
+
 from jobstream.connect import TEMPLATE, names, render_config
 from jobstream.metrics import postgres_families
 from jobstream.settings import Settings
@@ -41,6 +43,14 @@ def test_config_is_rendered_from_the_settings_with_no_placeholder_left() -> None
     assert cfg["header.converter"].endswith("StringConverter")
     assert cfg["table.include.list"] == "public.outbox"
     assert json.loads(TEMPLATE.read_text())["_comment"]
+    # The heartbeat is an outbox row of our own topic: delivered, so the slot advances.
+    s = Settings(database_url=URL, topic_prefix="p1.", connect_heartbeat_s=2.5)
+    cfg = render_config(s)
+    assert cfg["heartbeat.interval.ms"] == "2500"
+    assert "INSERT INTO outbox" in cfg["heartbeat.action.query"]
+    assert "'p1.relay.heartbeat'" in cfg["heartbeat.action.query"]
+    with pytest.raises(ValueError):
+        render_config(Settings(database_url=URL, topic_prefix="x'; DROP TABLE outbox; --"))
 
 
 def test_header_columns_are_exactly_the_python_relays_headers_in_its_order() -> None:

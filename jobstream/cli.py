@@ -83,10 +83,13 @@ def topics() -> None:
 
 
 @main.command()
-def relay() -> None:
+@click.option("--housekeeping-only", is_flag=True,
+              help="Only the stuck-stage sweeper and retention, no publishing (beside the "
+                   "Debezium relay).")
+def relay(housekeeping_only: bool) -> None:
     """Run the outbox relay (one active, others stand by) until SIGTERM."""
     from outbox_relay.relay import main as relay_main
-    sys.exit(relay_main(get_settings()))
+    sys.exit(relay_main(get_settings(), housekeeping_only=housekeeping_only))
 
 
 @main.group("connect")

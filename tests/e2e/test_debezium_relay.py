@@ -205,6 +205,11 @@ def test_python_relay_refuses_while_the_connector_owns_the_outbox(
     r = procs.run("relay", timeout_s=60)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "refuses to start" in r.stderr and "connect delete" in r.stderr
+    # Beside Debezium, the sweeper and retention run without publishing.
+    hk = procs.start("relay", "--housekeeping-only")
+    wait_for(lambda: "housekeeping active" in hk.log_text(), 60, "housekeeping to start",
+             procs.logs)
+    assert hk.popen.poll() is None
     st = procs.run("connect", "status", "--json", timeout_s=60, **_env(s))
     assert st.returncode == 0, st.stdout + st.stderr
     info = json.loads(st.stdout)

@@ -226,7 +226,7 @@ def test_python_relay_refuses_while_the_connector_owns_the_outbox(
 
 
 def test_a_quiet_outbox_still_lets_its_slot_advance_and_a_redeploy_starts_clean(
-        dbz_settings: Settings) -> None:
+        dbz_settings: Settings, procs: ProcessRunner) -> None:
     s = dbz_settings.model_copy(update={"connect_heartbeat_s": 1.0})
     dbz.deploy(s)
     # 8 MB of WAL that the publication does not carry (as other databases of the server
@@ -238,14 +238,26 @@ def test_a_quiet_outbox_still_lets_its_slot_advance_and_a_redeploy_starts_clean(
     assert filled > 8_000_000
     wait_for(lambda: dbz.slot_stats(s)[0]["unconfirmed_bytes"] < 1_000_000, 60,
              "the slot confirmed past the WAL of other tables", lambda: str(dbz.status(s)))
-    # delete + deploy: the new connector starts at the new slot, not at the old offsets.
+    # Back to the Python relay: while it runs, deploy refuses (both would publish).
     dbz.delete(s)
+    relay = procs.start("relay")
+    wait_for(lambda: "relay active" in relay.log_text(), 60, "the Python relay", procs.logs)
+    with pytest.raises(RuntimeError, match="Python relay is running"):
+        dbz.deploy(s)
+    procs.kill9(relay)
+    # A row the Python relay never published: deploy hands it over to the connector.
+    topic, left = _text_extracted(s.topic("job.text_extracted"))
+    with db_connect(s.database_url) as conn, conn.transaction():
+        Store.add_outbox(conn, outbox_message(topic, left))  # type: ignore[arg-type]
+    # delete + deploy: the new connector starts at the new slot, not at the old offsets.
     dbz.deploy(s)
-    topic, ev = _text_extracted(s.topic("job.text_extracted"))
+    _, ev = _text_extracted(topic)
     with db_connect(s.database_url) as conn, conn.transaction():
         Store.add_outbox(conn, outbox_message(topic, ev))  # type: ignore[arg-type]
-    wait_for(lambda: str(ev.event_id) in {_event_id(m) for m in read_topic(s, topic)}, 60,  # type: ignore[attr-defined]
-             "the event of the redeployed connector", lambda: str(dbz.status(s)))
+    want = {str(left.event_id), str(ev.event_id)}  # type: ignore[attr-defined]
+    wait_for(lambda: want <= {_event_id(m) for m in read_topic(s, topic)}, 60,
+             "the handed-over row and the new one", lambda: str(dbz.status(s)))
+    assert query(s.database_url, "SELECT count(*) AS n FROM outbox")[0]["n"] == 0
 
 
 def test_connect_worker_keeps_its_state_in_compacted_topics(worker: Worker,

@@ -157,10 +157,7 @@ def subprocess_env(settings: Settings, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("JOBSTREAM_") and k not in ("DATABASE_URL",
                                                            "KAFKA_BOOTSTRAP_SERVERS")}
-    for k, v in settings.model_dump().items():
-        if v is None:
-            continue
-        env[f"JOBSTREAM_{k.upper()}"] = json.dumps(v) if isinstance(v, dict | list) else str(v)
+    env.update(settings.to_env())  # secrets (the database URL) revealed, for the child only
     env.update(extra)
     return env
 

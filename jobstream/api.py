@@ -7,6 +7,13 @@ and its outbox row commit together before the 202 is sent. ``Idempotency-Key`` i
 the same key again returns the same job (200, ``Idempotent-Replayed: true``); the same key with
 another body is 409 (IETF draft "The Idempotency-Key HTTP Header Field", §2.7).
 
+Hostile requests get a 4xx with ``{"code", "message"}``, never a 500: a body over
+``JOBSTREAM_API_MAX_BODY_BYTES`` is refused while it is read, before any parsing (413
+``request_too_large``), a batch's documents over ``JOBSTREAM_API_MAX_BATCH_BYTES`` together are
+413 ``batch_too_large``, malformed JSON is 400 ``malformed_json``, control characters in a
+filename or identifier are 422 ``invalid_request``, and data Postgres refuses is 422
+``invalid_data``.
+
 Run it with ``jobstream api``; the OpenAPI document is served at ``/openapi.json``.
 """
 
@@ -15,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import hmac
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -36,7 +44,9 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from psycopg import DataError, IntegrityError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jobstream import logs, metrics, tracing
 from jobstream.db import QUERIES as Q
@@ -45,7 +55,12 @@ from jobstream.keys import canonical_json, sha256_hex
 from jobstream.settings import Settings
 from jobstream.stages import StageContext, handle_intake
 from jobstream.store import STAGES, TERMINAL, Store
-from schemas.events import DocumentRef, DocumentUploaded, DocumentUploadedPayload
+from schemas.events import (
+    NO_CONTROL_CHARS,
+    DocumentRef,
+    DocumentUploaded,
+    DocumentUploadedPayload,
+)
 
 MAX_BATCH = 1000
 _bearer = HTTPBearer(auto_error=False)
@@ -56,13 +71,16 @@ class JobRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    filename: str = Field("document.txt", min_length=1, max_length=512)
+    filename: str = Field("document.txt", min_length=1, max_length=512,
+                          pattern=NO_CONTROL_CHARS)
     text: str | None = Field(None, description="The document as UTF-8 text.")
     content_b64: str | None = Field(None, description="The document's bytes, base64.")
     content_type: Literal["text/plain", "application/pdf"] = "text/plain"
-    pipeline: str | None = None
-    prompt_version: str | None = None
-    model_profile: str | None = None
+    pipeline: str | None = Field(None, min_length=1, max_length=100, pattern=NO_CONTROL_CHARS)
+    prompt_version: str | None = Field(None, min_length=1, max_length=100,
+                                       pattern=NO_CONTROL_CHARS)
+    model_profile: str | None = Field(None, min_length=1, max_length=100,
+                                      pattern=NO_CONTROL_CHARS)
     lane: Literal["interactive", "batch"] | None = None
 
     @model_validator(mode="after")
@@ -177,13 +195,16 @@ class Problem(BaseModel):
 
 def _tenant(request: Request,
             creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> str:
-    """The tenant of the bearer token. Raises 401 for a missing or unknown token."""
-    tokens: dict[str, str] = request.app.state.ctx.settings.api_tokens
-    if creds is None or creds.credentials not in tokens:
-        raise HTTPException(401, detail={"code": "unauthorized",
-                                         "message": "a valid bearer token is required"},
-                            headers={"WWW-Authenticate": "Bearer"})
-    return tokens[creds.credentials]
+    """The tenant of the bearer token (compared in constant time). Raises 401 for a missing or
+    unknown token."""
+    if creds is not None:
+        given = creds.credentials.encode()
+        for token, tenant in request.app.state.ctx.settings.api_tokens.items():
+            if hmac.compare_digest(token.get_secret_value().encode(), given):
+                return tenant
+    raise HTTPException(401, detail={"code": "unauthorized",
+                                     "message": "a valid bearer token is required"},
+                        headers={"WWW-Authenticate": "Bearer"})
 
 
 Tenant = Annotated[str, Depends(_tenant)]
@@ -193,6 +214,62 @@ IdemKey = Annotated[str, Header(alias="Idempotency-Key", min_length=1, max_lengt
 
 def _problem(status: int, code: str, message: str) -> HTTPException:
     return HTTPException(status, detail={"code": code, "message": message})
+
+
+class _BodyTooLarge(HTTPException):
+    """Raised by :class:`BodyLimitMiddleware`'s ``receive`` once the body passes the limit."""
+
+
+class BodyLimitMiddleware:
+    """ASGI middleware: refuse a request body over ``max_bytes`` with 413
+    ``request_too_large`` before parsing. A declared ``Content-Length`` over the limit is
+    refused before a byte of the body is read; otherwise the bytes are counted as they arrive
+    (chunked or lying clients) and reading stops at the limit, so a request never holds more
+    than ``max_bytes`` of body in memory."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _problem(self) -> dict[str, str]:
+        return {"code": "request_too_large",
+                "message": f"the request body is over the limit of {self.max_bytes} bytes"}
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.strip().isdigit() \
+                and int(declared) > self.max_bytes:
+            await JSONResponse(self._problem(), status_code=413,
+                               headers={"Connection": "close"})(scope, receive, send)
+            return
+        seen = 0
+        started = False
+
+        async def limited_receive() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _BodyTooLarge(413, detail=self._problem(),
+                                        headers={"Connection": "close"})
+            return message
+
+        async def tracking_send(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _BodyTooLarge:
+            if started:
+                raise
+            await JSONResponse(self._problem(), status_code=413,
+                               headers={"Connection": "close"})(scope, receive, send)
 
 
 _REQUEST_ID_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
@@ -233,17 +310,37 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
                   responses={401: {"model": Problem}, 404: {"model": Problem}})
     ctx = StageContext(settings, store or Store(settings.database_url, max_size=16))
     app.state.ctx = ctx
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.api_max_body_bytes)
     app.add_middleware(TraceMiddleware)
 
-    @app.exception_handler(HTTPException)
-    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        detail = exc.detail if isinstance(exc.detail, dict) else {"code": "error",
-                                                                   "message": str(exc.detail)}
+    @app.exception_handler(StarletteHTTPException)  # also FastAPI's, and the router's 404/405
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        codes = {400: "bad_request", 404: "not_found", 405: "method_not_allowed",
+                 413: "request_too_large", 415: "unsupported_media_type"}
+        detail = exc.detail if isinstance(exc.detail, dict) else {
+            "code": codes.get(exc.status_code, f"http_{exc.status_code}"),
+            "message": str(exc.detail)}
         return JSONResponse(detail, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(DataError)
+    async def _data_error(_: Request, exc: DataError) -> JSONResponse:
+        return JSONResponse({"code": "invalid_data",
+                             "message": f"Postgres refused the request's data: {exc}"[:500]},
+                            status_code=422)
+
+    @app.exception_handler(IntegrityError)
+    async def _integrity_error(_: Request, exc: IntegrityError) -> JSONResponse:
+        return JSONResponse({"code": "conflict",
+                             "message": f"the request conflicts with stored data: {exc}"[:500]},
+                            status_code=409)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            return JSONResponse({"code": "malformed_json",
+                                 "message": "the request body is not valid JSON"},
+                                status_code=400)
         if any(e.get("loc", ())[:2] == ("header", "Idempotency-Key") for e in errors):
             return JSONResponse({"code": "missing_idempotency_key",
                                  "message": "the Idempotency-Key header is required (one key "
@@ -253,8 +350,12 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
         hint = (" (send Content-Type: application/json)"
                 if any(e.get("type") in ("model_attributes_type", "dict_type") for e in errors)
                 else "")
+        # Not the input itself: a hostile body is not echoed back.
         return JSONResponse({"code": "invalid_request", "message": detail + hint,
-                             "errors": jsonable_encoder(errors)}, status_code=422)
+                             "errors": jsonable_encoder([{k: e.get(k) for k in ("type", "loc",
+                                                                               "msg")}
+                                                         for e in errors[:20]])},
+                            status_code=422)
 
     @app.exception_handler(RetryableError)
     async def _unavailable(_: Request, exc: RetryableError) -> JSONResponse:
@@ -269,17 +370,25 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
             raise _problem(422, "invalid_content", f"content_b64 is not base64: {exc}") from None
         if not data.strip():
             raise _problem(422, "empty_document", "the document is empty")
-        doc = DocumentRef(filename=req.filename, content_type=req.content_type,
-                          sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data),
-                          content_b64=base64.b64encode(data).decode())
+        if len(data) > settings.max_inline_document_bytes:
+            raise _problem(413, "document_too_large", f"{len(data)} bytes; the limit is "
+                                                      f"{settings.max_inline_document_bytes}")
         rid = logs.current_context().get("request_id")
-        return DocumentUploaded(
-            tenant_id=t, idempotency_key=key, **({"request_id": rid} if rid else {}),
-            payload=DocumentUploadedPayload(
-                document=doc, pipeline=req.pipeline or settings.pipeline,
-                prompt_version=req.prompt_version or settings.prompt_version,
-                model_profile=req.model_profile or settings.model_profile,
-                lane=req.lane or lane or "interactive"))
+        try:
+            doc = DocumentRef(filename=req.filename, content_type=req.content_type,
+                              sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data),
+                              content_b64=base64.b64encode(data).decode())
+            return DocumentUploaded(
+                tenant_id=t, idempotency_key=key, **({"request_id": rid} if rid else {}),
+                payload=DocumentUploadedPayload(
+                    document=doc, pipeline=req.pipeline or settings.pipeline,
+                    prompt_version=req.prompt_version or settings.prompt_version,
+                    model_profile=req.model_profile or settings.model_profile,
+                    lane=req.lane or lane or "interactive"))
+        except ValidationError as exc:  # e.g. a control character in the Idempotency-Key
+            raise _problem(422, "invalid_request", "; ".join(
+                f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5])) \
+                from None
 
     def intake(ev: DocumentUploaded, conn: Any = None) -> tuple[uuid.UUID, bool]:
         try:
@@ -322,10 +431,16 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
             raise _problem(413, "document_too_large",
                            f"{len(data)} bytes; the limit is {settings.max_inline_document_bytes}")
         is_pdf = file.content_type == "application/pdf" or data[:5] == b"%PDF-"
-        req = JobRequest(filename=(file.filename or "document")[:512] or "document",
-                         content_b64=base64.b64encode(data).decode(),
-                         content_type="application/pdf" if is_pdf else "text/plain",
-                         lane=lane, prompt_version=prompt_version, model_profile=model_profile)
+        try:
+            req = JobRequest(filename=(file.filename or "document")[:512] or "document",
+                             content_b64=base64.b64encode(data).decode(),
+                             content_type="application/pdf" if is_pdf else "text/plain",
+                             lane=lane, prompt_version=prompt_version,
+                             model_profile=model_profile)
+        except ValidationError as exc:  # e.g. a control character in the file's name
+            raise _problem(422, "invalid_request", "; ".join(
+                f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5])) \
+                from None
         job_id, created = await asyncio.to_thread(
             lambda: intake(event_for(t, idempotency_key, req)))
         if not created:
@@ -410,12 +525,23 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
                      response: Response) -> BatchView:
         """Create up to 1000 jobs in ONE transaction (document i gets the idempotency key
         ``<key>:<i>``). The same key again returns the same batch; another body is 409."""
-        events = [event_for(t, f"{idempotency_key}:{i}", d, req.lane)
-                  for i, d in enumerate(req.documents)]
+        events, total = [], 0
+        for i, d in enumerate(req.documents):
+            events.append(event_for(t, f"{idempotency_key}:{i}", d, req.lane))
+            total += events[-1].payload.document.size_bytes
+            if total > settings.api_max_batch_bytes:
+                raise _problem(413, "batch_too_large",
+                               f"the batch's documents are over {settings.api_max_batch_bytes} "
+                               f"bytes together (at document {i})")
         rh = sha256_hex(canonical_json([e.payload.model_dump(mode="json") for e in events]))
         with ctx.store.tx() as conn:
-            found = conn.execute(Q["find_batch"], (t, idempotency_key)).fetchone()
-            if found:
+            # A concurrent identical request waits here for the first one's transaction; then
+            # it finds the batch and replays it (no unique violation, no 500).
+            new_id = uuid.uuid4()
+            created = conn.execute(Q["insert_batch"],
+                                   (new_id, t, idempotency_key, rh, req.lane)).fetchone()
+            if created is None:
+                found = conn.execute(Q["find_batch"], (t, idempotency_key)).fetchone()
                 if found["request_hash"] != rh:
                     raise _problem(409, "idempotency_key_conflict",
                                    f"batch key {idempotency_key!r} was used for another body")
@@ -423,8 +549,7 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
                 response.status_code = 200
                 response.headers["Idempotent-Replayed"] = "true"
             else:
-                batch_id = uuid.uuid4()
-                conn.execute(Q["insert_batch"], (batch_id, t, idempotency_key, rh, req.lane))
+                batch_id = new_id
                 for i, ev in enumerate(events):
                     job_id, _ = intake(ev, conn)
                     conn.execute(Q["insert_batch_job"], (batch_id, i, job_id))
@@ -474,12 +599,29 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
     return app
 
 
+#: Tokens that are examples, not secrets: the API refuses them unless allowed for development.
+PLACEHOLDER_TOKENS = frozenset({"", "change-me", "changeme", "change_me", "secret", "token",
+                                "password", "secret-token", "test", "dev"})
+
+
+def placeholder_tokens(settings: Settings) -> list[str]:
+    """The tenants whose API token is a placeholder (blank, ``change-me``...)."""
+    return [tenant for token, tenant in settings.api_tokens.items()
+            if token.get_secret_value().strip().lower() in PLACEHOLDER_TOKENS]
+
+
 def main(settings: Settings, host: str, port: int) -> int:
     """Serve the API with uvicorn until SIGINT/SIGTERM; returns the exit code."""
     import uvicorn
     if not settings.api_tokens:
         raise SystemExit("no API tokens configured: set JOBSTREAM_API_TOKENS, e.g. "
                          "'{\"secret-token\": \"acme\"}' (token -> tenant)")
+    placeholders = placeholder_tokens(settings)
+    if placeholders and not settings.api_allow_dev_tokens:
+        raise SystemExit(f"refusing to start: {len(placeholders)} API token(s) are placeholders "
+                         f"(for tenants {sorted(placeholders)}); set real tokens in "
+                         "JOBSTREAM_API_TOKENS, or JOBSTREAM_API_ALLOW_DEV_TOKENS=true for "
+                         "local development only")
     # JSON logs: uvicorn's loggers propagate to the root handler instead of their own.
     uvicorn.run(create_app(settings), host=host, port=port, log_level="info",
                 **({"log_config": None} if settings.log_format == "json" else {}))

@@ -104,10 +104,8 @@ def settings_env(settings: Settings, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("JOBSTREAM_") and k not in ("DATABASE_URL",
                                                            "KAFKA_BOOTSTRAP_SERVERS")}
-    for name, value in settings.model_dump(exclude={"fault"}).items():
-        if value is not None:
-            env[f"JOBSTREAM_{name.upper()}"] = (json.dumps(value) if isinstance(value, dict)
-                                                else str(value))
+    # to_env reveals the secrets (the database URL) for the child; model_dump would mask them.
+    env.update({k: v for k, v in settings.to_env().items() if k != "JOBSTREAM_FAULT"})
     env.update(extra)
     return env
 

@@ -738,11 +738,8 @@ def schemas(check: bool) -> None:
 
 @main.command()
 def config() -> None:
-    """Print the settings in force (secrets masked)."""
-    s = get_settings().model_dump()
-    for k, v in s.items():
-        if "key" in k and v:
-            v = "***"
+    """Print the settings in force (secrets masked: tokens, keys, the database URL)."""
+    for k, v in get_settings().public_dump().items():
         click.echo(f"{k} = {v}")
 
 

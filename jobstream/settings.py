@@ -8,10 +8,11 @@ two connection settings also accept the conventional ``DATABASE_URL`` and
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 #: Where ``scripts/services.sh`` starts the project-local services.
@@ -25,10 +26,11 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="JOBSTREAM_", extra="ignore",
                                       populate_by_name=True)
 
-    database_url: str = Field(
-        DEFAULT_DATABASE_URL,
-        validation_alias=AliasChoices("JOBSTREAM_DATABASE_URL", "DATABASE_URL"),
-        description="libpq URL of the job store.",
+    database_dsn: SecretStr = Field(
+        SecretStr(DEFAULT_DATABASE_URL),
+        validation_alias=AliasChoices("JOBSTREAM_DATABASE_URL", "DATABASE_URL", "database_url"),
+        description="libpq URL of the job store (it holds the password: a secret, never "
+                    "printed; read it as ``settings.database_url``).",
     )
     kafka_bootstrap_servers: str = Field(
         DEFAULT_KAFKA,
@@ -55,7 +57,9 @@ class Settings(BaseSettings):
     provider_base_url: str | None = Field(
         None, description="Override the profile's OpenAI-compatible base URL (…/v1)."
     )
-    provider_api_key: str | None = Field(None, description="Bearer key for the provider.")
+    provider_api_key: SecretStr | None = Field(
+        None, description="Bearer key for the provider (a secret, never printed)."
+    )
     provider_timeout_s: float = Field(60.0, gt=0, description="Per-request timeout (seconds).")
     provider_max_attempts: int = Field(
         3, ge=1, description="In-process attempts per provider call before the stage event "
@@ -125,7 +129,24 @@ class Settings(BaseSettings):
                     "an arbitrary file.",
     )
     max_inline_document_bytes: int = Field(
-        5 * 1024 * 1024, ge=1, description="Largest document accepted inline (bytes)."
+        5 * 1024 * 1024, ge=1, description="Largest document accepted (bytes): checked on "
+        "the declared size_bytes and on the bytes actually read (inline or file://)."
+    )
+    extract_timeout_s: float = Field(
+        60.0, gt=0, description="Extraction: wall time one PDF may take; the extractor "
+                                "process is killed after it (seconds)."
+    )
+    extract_max_pages: int = Field(1000, ge=1, description="Extraction: most PDF pages.")
+    extract_max_text_chars: int = Field(
+        2_000_000, ge=1, description="Extraction: most characters of extracted text."
+    )
+    extract_max_stream_bytes: int = Field(
+        32 * 1024 * 1024, ge=1024,
+        description="Extraction: bytes one PDF stream may inflate to (decompression bombs).",
+    )
+    extract_max_memory_bytes: int = Field(
+        1024 * 1024 * 1024, ge=256 * 1024 * 1024,
+        description="Extraction: address space of the PDF extractor process (bytes).",
     )
 
     relay_batch_size: int = Field(500, ge=1, description="Outbox rows per relay batch.")
@@ -204,14 +225,70 @@ class Settings(BaseSettings):
                     "the prefixed jobstream-* groups and the downstream applier (JSON list).",
     )
 
-    api_tokens: dict[str, str] = Field(
+    api_tokens: dict[SecretStr, str] = Field(
         default_factory=dict,
         description="HTTP API bearer tokens -> tenant id (JSON object). The tenant always comes "
-                    "from the token, never from the request body.",
+                    "from the token, never from the request body. Secrets: never printed.",
+    )
+    api_allow_dev_tokens: bool = Field(
+        False, description="Let the API start with a placeholder token (change-me, empty): "
+                           "for local development only."
+    )
+    api_max_body_bytes: int = Field(
+        20 * 1024 * 1024, ge=1024, description="API: largest request body, enforced while "
+                                               "reading, before parsing (bytes; 413)."
+    )
+    api_max_batch_bytes: int = Field(
+        12 * 1024 * 1024, ge=1, description="API: most document bytes in one batch, summed "
+                                            "over its documents (bytes; 413)."
     )
     api_emit_uploaded: bool = Field(
         False, description="The API also writes document.uploaded to the outbox for others."
     )
+
+    @property
+    def database_url(self) -> str:
+        """The libpq URL of the job store, password included (do not log it)."""
+        return self.database_dsn.get_secret_value()
+
+    def model_copy(self, *, update: dict[str, Any] | None = None,
+                   deep: bool = False) -> Settings:
+        """A copy with ``update`` applied; ``database_url`` is accepted for ``database_dsn``."""
+        if update and "database_url" in update:
+            update = {**update, "database_dsn": SecretStr(str(update["database_url"]))}
+            del update["database_url"]
+        return super().model_copy(update=update, deep=deep)
+
+    def public_dump(self) -> dict[str, Any]:
+        """Every setting with secrets masked (``**********``): what ``jobstream config``
+        prints and what may be logged."""
+        out = {}
+        for name, value in self.model_dump().items():
+            if isinstance(value, dict):
+                value = {(f"**********({i})" if isinstance(k, SecretStr) else k): v
+                         for i, (k, v) in enumerate(value.items(), 1)}
+            elif isinstance(value, SecretStr):
+                value = "**********"
+            out[name] = value
+        return out
+
+    def to_env(self) -> dict[str, str]:
+        """``JOBSTREAM_*`` environment variables that carry these settings, secrets included,
+        to a child process (never print them: :meth:`public_dump` is for that)."""
+        env: dict[str, str] = {}
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, SecretStr):
+                value = value.get_secret_value()
+            elif isinstance(value, dict):
+                value = {(k.get_secret_value() if isinstance(k, SecretStr) else k): v
+                         for k, v in value.items()}
+            key = ("JOBSTREAM_DATABASE_URL" if name == "database_dsn"
+                   else f"JOBSTREAM_{name.upper()}")
+            env[key] = json.dumps(value) if isinstance(value, dict | list) else str(value)
+        return env
 
     def topic(self, name: str) -> str:
         """Full topic name for a logical topic ``name`` (adds :attr:`topic_prefix`)."""

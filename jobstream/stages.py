@@ -50,7 +50,14 @@ from jobstream.store import (
     Store,
     outbox_message,
 )
-from jobstream.textproc import CHUNK_VERSION, EXTRACT_VERSION, chunk_text, extract_text
+from jobstream.textproc import (
+    CHUNK_VERSION,
+    EXTRACT_VERSION,
+    ExtractLimits,
+    chunk_text,
+    extract_text,
+    extractor_for,
+)
 from schemas.events import (
     EVENT_MODELS,
     ChunksReady,
@@ -127,7 +134,8 @@ class StageContext:
         with self._lock:
             if profile.name not in self._clients:
                 base = self.settings.provider_base_url if profile.base_url else None
-                key = self.settings.provider_api_key or (
+                secret = self.settings.provider_api_key
+                key = (secret.get_secret_value() if secret else None) or (
                     os.environ.get(profile.api_key_env) if profile.api_key_env else None)
                 self._clients[profile.name] = ProviderClient(
                     profile, timeout_s=self.settings.provider_timeout_s, base_url=base,
@@ -150,7 +158,8 @@ def handle_intake(ctx: StageContext, ev: DocumentUploaded, *, conn: Any = None,
     the ``document.uploaded`` event itself to the outbox, for other consumers (the API path).
 
     Raises :class:`PoisonMessage` for requests that can never succeed (unknown pipeline, prompt
-    or profile; unreadable, oversized or hash-mismatched document; idempotency-key conflict).
+    or profile; unreadable, oversized, size- or hash-mismatched document (the bytes actually
+    read are checked); idempotency-key conflict; data Postgres refuses: ``invalid_data``).
     """
     p = ev.payload
     try:
@@ -160,24 +169,38 @@ def handle_intake(ctx: StageContext, ev: DocumentUploaded, *, conn: Any = None,
         get_profile(p.model_profile)
     except PermanentError as exc:
         raise PoisonMessage(str(exc), code=exc.code) from None
-    if p.document.size_bytes > ctx.settings.max_inline_document_bytes:
+    limit = ctx.settings.max_inline_document_bytes
+    if p.document.size_bytes > limit:
         raise PoisonMessage(f"document of {p.document.size_bytes} bytes exceeds the limit of "
-                            f"{ctx.settings.max_inline_document_bytes}", code="document_too_large")
+                            f"{limit}", code="document_too_large")
     try:
-        content = p.document.content(ctx.settings.document_roots)
+        content = p.document.content(ctx.settings.document_roots, max_bytes=limit)
     except PermissionError as exc:
         raise PoisonMessage(f"document URI not allowed: {exc}",
                             code="document_uri_not_allowed") from None
     except (OSError, ValueError) as exc:
         raise PoisonMessage(f"document unreadable: {exc}", code="document_unreadable") from None
+    # The bytes actually read, not the declared size, are what the limit is about.
+    if len(content) > limit:
+        raise PoisonMessage(f"the document has more than {limit} bytes (the limit); the event "
+                            f"declares {p.document.size_bytes}", code="document_too_large")
+    if len(content) != p.document.size_bytes:
+        raise PoisonMessage(f"the document has {len(content)} bytes, the event declares "
+                            f"{p.document.size_bytes}", code="size_mismatch")
     actual = sha256_hex(content)
     if actual != p.document.sha256:
         raise PoisonMessage(f"document sha256 is {actual}, event says {p.document.sha256}",
                             code="document_hash_mismatch")
+    try:
+        extractor = extractor_for(p.document.content_type)
+    except PermanentError as exc:
+        raise PoisonMessage(str(exc), code=exc.code) from None
     dk = dedup_key(tenant_id=ev.tenant_id, document_hash=actual, pipeline=p.pipeline,
-                   prompt_version=p.prompt_version, model_profile=p.model_profile)
+                   prompt_version=p.prompt_version, model_profile=p.model_profile,
+                   extractor=extractor)
     rh = request_hash(document_hash=actual, pipeline=p.pipeline, prompt_version=p.prompt_version,
-                      model_profile=p.model_profile, lane=p.lane)
+                      model_profile=p.model_profile, lane=p.lane, filename=p.document.filename,
+                      content_type=p.document.content_type)
     job = {
         "job_id": uuid.uuid4(), "tenant_id": ev.tenant_id, "idempotency_key": ev.idempotency_key,
         "request_hash": rh, "dedup_key": dk, "request_id": ev.request_id,
@@ -220,8 +243,14 @@ class StageResult:
 
 def _extract(ctx: StageContext, claim: Claim, ev: Any) -> StageResult:
     job = claim.job
-    content, ctype = ctx.store.document(job["tenant_id"], job["document_sha256"])
-    ex = extract_text(content, ctype)
+    # The job's content type picks the extractor (part of its dedup key): the same bytes may
+    # be stored once for another job that sent them as another type.
+    content, _ = ctx.store.document(job["tenant_id"], job["document_sha256"])
+    s = ctx.settings
+    ex = extract_text(content, job["content_type"], ExtractLimits(
+        max_pages=s.extract_max_pages, max_text_chars=s.extract_max_text_chars,
+        max_stream_bytes=s.extract_max_stream_bytes,
+        max_memory_bytes=s.extract_max_memory_bytes, timeout_s=s.extract_timeout_s))
     return StageResult(
         output={"text": ex.text, "page_count": ex.page_count},
         input_hash=job["document_sha256"], code_version=ctx.code_version("text_extracted"),

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from jobstream import tracing
 from jobstream.db import QUERIES as Q
-from jobstream.errors import IdempotencyConflict, RetryableError, StaleRun
+from jobstream.errors import IdempotencyConflict, PoisonMessage, RetryableError, StaleRun
 from schemas.events import encode_event
 
 #: The checkpoint chain (design.md): each stage is named by the fact it establishes.
@@ -236,6 +236,9 @@ class Store:
                     return IntakeResult(job_id, True)
             except psycopg.errors.UniqueViolation:
                 continue
+            except psycopg.DataError as exc:  # e.g. a NUL in a text column: the request's fault
+                raise PoisonMessage(f"Postgres refused the request's data: {exc}"[:500],
+                                    code="invalid_data") from None
         raise RetryableError("intake kept losing a uniqueness race", code="db_conflict")
 
     # ------------------------------------------------------------------ stages

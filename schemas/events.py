@@ -30,6 +30,9 @@ from jobstream.errors import PoisonMessage
 SCHEMA_VERSION = 1
 
 Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="sha256, lowercase hex")]
+#: No control characters (Unicode category Cc: U+0000-U+001F, U+007F-U+009F) where an
+#: identifier or a filename is expected: a schema violation, never a database error later.
+NO_CONTROL_CHARS = r"^[^\x00-\x1f\x7f-\x9f]*$"
 Lane = Literal["interactive", "batch"]
 
 
@@ -44,7 +47,7 @@ class DocumentRef(_Frozen):
     at intake; a mismatch dead-letters the event.
     """
 
-    filename: str = Field(min_length=1, max_length=512)
+    filename: str = Field(min_length=1, max_length=512, pattern=NO_CONTROL_CHARS)
     content_type: Literal["text/plain", "application/pdf"] = "text/plain"
     sha256: Sha256Hex
     size_bytes: int = Field(ge=0, description="Size of the document (bytes).")
@@ -57,10 +60,13 @@ class DocumentRef(_Frozen):
             raise ValueError("exactly one of content_b64 and uri must be set")
         return self
 
-    def content(self, roots: list[str] | tuple[str, ...] = ()) -> bytes:
+    def content(self, roots: list[str] | tuple[str, ...] = (),
+                max_bytes: int | None = None) -> bytes:
         """The document's bytes. A ``file://`` URI is read only when its resolved path lies
-        under one of ``roots`` (directories). Raises ``PermissionError`` (outside the roots),
-        ``OSError`` (unreadable) or ``ValueError`` (bad base64 or URI)."""
+        under one of ``roots`` (directories) and names a regular file; at most
+        ``max_bytes + 1`` bytes of it are read (so the caller sees it is too large without
+        reading all of it). Raises ``PermissionError`` (outside the roots), ``OSError``
+        (unreadable) or ``ValueError`` (bad base64 or URI, not a regular file)."""
         if self.content_b64 is not None:
             return base64.b64decode(self.content_b64, validate=True)
         assert self.uri is not None
@@ -71,17 +77,21 @@ class DocumentRef(_Frozen):
         allowed = [os.path.realpath(r) for r in roots]
         if not any(os.path.commonpath([path, r]) == r for r in allowed):
             raise PermissionError(f"{path} is outside the allowed document roots {allowed}")
+        if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would block forever
+            raise ValueError(f"{path} is not a regular file")
         with open(path, "rb") as fh:
-            return fh.read()
+            return fh.read() if max_bytes is None else fh.read(max_bytes + 1)
 
 
 class DocumentUploadedPayload(_Frozen):
     """What another service asks for: analyse this document with this pipeline/prompt/model."""
 
     document: DocumentRef
-    pipeline: str = Field("document-analysis", min_length=1, max_length=100)
-    prompt_version: str = Field("analysis-v1", min_length=1, max_length=100)
-    model_profile: str = Field("local", min_length=1, max_length=100)
+    pipeline: str = Field("document-analysis", min_length=1, max_length=100,
+                          pattern=NO_CONTROL_CHARS)
+    prompt_version: str = Field("analysis-v1", min_length=1, max_length=100,
+                                pattern=NO_CONTROL_CHARS)
+    model_profile: str = Field("local", min_length=1, max_length=100, pattern=NO_CONTROL_CHARS)
     lane: Lane = "interactive"
 
 
@@ -89,10 +99,10 @@ class JobAcceptedPayload(_Frozen):
     """The job exists (intake committed); extraction may start."""
 
     document_sha256: Sha256Hex
-    content_type: str
-    pipeline: str
-    prompt_version: str
-    model_profile: str
+    content_type: str = Field(max_length=100, pattern=NO_CONTROL_CHARS)
+    pipeline: str = Field(max_length=100, pattern=NO_CONTROL_CHARS)
+    prompt_version: str = Field(max_length=100, pattern=NO_CONTROL_CHARS)
+    model_profile: str = Field(max_length=100, pattern=NO_CONTROL_CHARS)
     lane: Lane
 
 
@@ -146,7 +156,7 @@ class JobReadyPayload(_Frozen):
 
     result: DocumentAnalysis
     document_sha256: Sha256Hex
-    filename: str
+    filename: str = Field(max_length=512, pattern=NO_CONTROL_CHARS)
     cost_usd: float = Field(ge=0, description="Provider cost of the job (USD).")
     charge_usd: float = Field(ge=0, description="What the client is charged for it (USD).")
 
@@ -154,8 +164,8 @@ class JobReadyPayload(_Frozen):
 class JobFailedPayload(_Frozen):
     """The job ended without a result."""
 
-    stage: str
-    error_code: str
+    stage: str = Field(max_length=100, pattern=NO_CONTROL_CHARS)
+    error_code: str = Field(max_length=100, pattern=NO_CONTROL_CHARS)
     error: str = Field(max_length=4000)
 
 
@@ -164,8 +174,9 @@ class _Envelope(_Frozen):
     schema_version: Literal[1] = SCHEMA_VERSION
     occurred_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
     tenant_id: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:-]+$")
-    idempotency_key: str = Field(min_length=1, max_length=200)
-    request_id: str = Field(default_factory=lambda: uuid.uuid4().hex, max_length=200)
+    idempotency_key: str = Field(min_length=1, max_length=200, pattern=NO_CONTROL_CHARS)
+    request_id: str = Field(default_factory=lambda: uuid.uuid4().hex, max_length=200,
+                            pattern=NO_CONTROL_CHARS)
 
 
 class _JobEnvelope(_Envelope):

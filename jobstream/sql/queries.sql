@@ -443,8 +443,11 @@ SELECT chunk_idx, attempt, outcome, status_code, latency_ms, prompt_tokens,
 SELECT batch_id, request_hash FROM batch WHERE tenant_id = %s AND idempotency_key = %s;
 
 -- name: insert_batch
+-- Nothing back when the (tenant, key) exists: a concurrent identical request replays it.
 INSERT INTO batch (batch_id, tenant_id, idempotency_key, request_hash, lane)
-VALUES (%s, %s, %s, %s, %s);
+VALUES (%s, %s, %s, %s, %s)
+ON CONFLICT (tenant_id, idempotency_key) DO NOTHING
+RETURNING batch_id;
 
 -- name: insert_batch_job
 INSERT INTO batch_job (batch_id, idx, job_id) VALUES (%s, %s, %s);

@@ -63,7 +63,7 @@ def test_services_run_existing_commands_with_known_settings() -> None:
         words = " ".join(svc["command"]).split()
         used = [words[i + 1] for i, w in enumerate(words[:-1]) if w == "jobstream"]
         assert used and all(u in commands for u in used), (name, used)
-    fields = {f"JOBSTREAM_{f.upper()}" for f in Settings.model_fields}
+    fields = set(Settings().to_env()) | {f"JOBSTREAM_{f.upper()}" for f in Settings.model_fields}
     unknown = {n for n in _env_names(doc) if n.startswith("JOBSTREAM_")} - fields
     assert not unknown, unknown
 

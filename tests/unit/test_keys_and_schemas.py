@@ -14,12 +14,12 @@ from schemas.events import DocumentRef, DocumentUploaded, DocumentUploadedPayloa
 from schemas.generate import main as generate_main
 
 BASE = {"tenant_id": "acme", "document_hash": "a" * 64, "pipeline": "document-analysis",
-        "prompt_version": "analysis-v1", "model_profile": "local"}
+        "prompt_version": "analysis-v1", "model_profile": "local", "extractor": "text"}
 
 
-def test_dedup_key_is_sha256_of_canonical_json_of_the_five_fields() -> None:
+def test_dedup_key_is_sha256_of_canonical_json_of_the_six_fields() -> None:
     expected = hashlib.sha256(
-        b'{"document_hash":"' + b"a" * 64 + b'","model_profile":"local",'
+        b'{"document_hash":"' + b"a" * 64 + b'","extractor":"text","model_profile":"local",'
         b'"pipeline":"document-analysis","prompt_version":"analysis-v1","tenant_id":"acme"}'
     ).hexdigest()
     assert dedup_key(**BASE) == expected
@@ -27,14 +27,18 @@ def test_dedup_key_is_sha256_of_canonical_json_of_the_five_fields() -> None:
 
 @pytest.mark.parametrize("field,value", [("tenant_id", "other"), ("prompt_version", "analysis-v2"),
                                          ("model_profile", "openai"), ("document_hash", "b" * 64),
-                                         ("pipeline", "p2")])
+                                         ("pipeline", "p2"), ("extractor", "pypdf")])
 def test_dedup_key_changes_with_every_computational_input(field: str, value: str) -> None:
     assert dedup_key(**{**BASE, field: value}) != dedup_key(**BASE)
 
 
-def test_request_hash_covers_the_lane_but_not_the_tenant() -> None:
-    body = {k: v for k, v in BASE.items() if k != "tenant_id"}
-    assert request_hash(**body, lane="batch") != request_hash(**body, lane="interactive")
+def test_request_hash_covers_lane_filename_and_content_type_but_not_the_tenant() -> None:
+    body = {k: v for k, v in BASE.items() if k not in ("tenant_id", "extractor")}
+    body |= {"filename": "a.txt", "content_type": "text/plain"}
+    base = request_hash(**body, lane="interactive")
+    assert request_hash(**body, lane="batch") != base
+    assert request_hash(**{**body, "filename": "b.txt"}, lane="interactive") != base
+    assert request_hash(**{**body, "content_type": "application/pdf"}, lane="interactive") != base
 
 
 def test_canonical_json_is_order_independent() -> None:
@@ -126,3 +130,32 @@ def test_a_message_without_event_type_is_read_as_the_topics_type() -> None:
     with pytest.raises(PoisonMessage) as exc:  # the real reason is reported, not the type
         decode_event(json.dumps(obj), expected="document.uploaded")
     assert exc.value.code == "schema_violation" and "payload" in str(exc.value)
+
+
+@pytest.mark.parametrize("path", [("payload", "document", "filename"), ("idempotency_key",),
+                                  ("request_id",), ("payload", "pipeline"),
+                                  ("payload", "prompt_version"), ("payload", "model_profile")])
+@pytest.mark.parametrize("char", ["\x00", "\x07", "\n", "\x7f", "\x85"])
+def test_control_characters_in_identifiers_and_filenames_are_schema_violations(
+        path: tuple[str, ...], char: str) -> None:
+    obj = json.loads(_uploaded().model_dump_json())
+    node = obj
+    for p in path[:-1]:
+        node = node[p]
+    node[path[-1]] = f"a{char}b"
+    with pytest.raises(PoisonMessage) as exc:
+        decode_event(json.dumps(obj).encode(), expected="document.uploaded")
+    assert exc.value.code == "schema_violation"
+
+
+def test_file_uri_reads_are_bounded_and_regular_files_only(tmp_path) -> None:
+    big = tmp_path / "big.txt"
+    big.write_bytes(b"x" * 5000)
+    ref = DocumentRef(filename="big.txt", sha256="0" * 64, size_bytes=10, uri=f"file://{big}")
+    assert len(ref.content([str(tmp_path)], max_bytes=100)) == 101  # never the whole file
+    fifo = tmp_path / "fifo"
+    import os
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="regular file"):
+        DocumentRef(filename="f", sha256="0" * 64, size_bytes=1,
+                    uri=f"file://{fifo}").content([str(tmp_path)])

@@ -1,0 +1,54 @@
+"""The extractor on hostile documents built on the spot: each kind fails permanently with its
+own code, in a child process that is killed at the deadline."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobstream.errors import PermanentError
+from jobstream.textproc import DOCUMENT_ERROR_CODES, ExtractLimits, extract_text
+from tests.hostile_documents import CORPUS, TEXT, bomb_pdf, good_pdf
+
+
+@pytest.mark.parametrize("kind", sorted(CORPUS))
+def test_each_hostile_kind_fails_with_its_own_code(kind: str) -> None:
+    data, content_type, code = CORPUS[kind]()
+    assert code in DOCUMENT_ERROR_CODES
+    with pytest.raises(PermanentError) as err:
+        extract_text(data, content_type)
+    assert err.value.code == code, err.value
+
+
+def test_limits_are_settings_not_constants() -> None:
+    data = good_pdf(pages=3)
+    assert extract_text(data, "application/pdf").page_count == 3
+    with pytest.raises(PermanentError) as pages:
+        extract_text(data, "application/pdf", ExtractLimits(max_pages=2))
+    assert pages.value.code == "too_many_pages"
+    with pytest.raises(PermanentError) as chars:
+        extract_text(data, "application/pdf", ExtractLimits(max_text_chars=100))
+    assert chars.value.code == "extracted_text_too_large"
+    with pytest.raises(PermanentError) as plain:
+        extract_text(TEXT.encode(), "text/plain", ExtractLimits(max_text_chars=100))
+    assert plain.value.code == "extracted_text_too_large"
+    # A bomb under the stream limit is just a page without text.
+    small = bomb_pdf(inflated_bytes=2 * 1024 * 1024)
+    with pytest.raises(PermanentError) as bomb:
+        extract_text(small, "application/pdf", ExtractLimits(max_stream_bytes=1024 * 1024))
+    assert bomb.value.code == "decompression_limit_exceeded"
+    with pytest.raises(PermanentError) as blank:
+        extract_text(small, "application/pdf")
+    assert blank.value.code == "empty_document"
+
+
+def test_extraction_past_its_deadline_is_killed_and_fails_permanently() -> None:
+    # 50 ms cannot even start the child interpreter and import pypdf: it is killed.
+    with pytest.raises(PermanentError) as err:
+        extract_text(good_pdf(pages=40), "application/pdf", ExtractLimits(timeout_s=0.05))
+    assert err.value.code == "extraction_timeout"
+
+
+def test_an_unknown_content_type_is_its_own_code() -> None:
+    with pytest.raises(PermanentError) as err:
+        extract_text(b"<html>", "text/html")
+    assert err.value.code == "unsupported_content_type"

@@ -11,9 +11,11 @@ every other test on the shared Postgres.
    partition).
 2. The pipeline and the demo's exactly-once check with Debezium publishing the outbox.
 3. The worker killed with SIGKILL in the middle of 1,000 events and kept down 30 s while
-   writes go on: the slot's retained WAL rises in /metrics and the verify check flags it;
-   after the restart every event reaches Kafka, per-key order holds, and the downstream
-   applies each dedup_key once.
+   writes and intake go on: the slot's retained WAL rises in /metrics and the verify check
+   flags it; after the restart every event reaches Kafka, per-key order holds, the downstream
+   applies each dedup_key once, and the documents accepted during the outage finish.
+4. A quiet database's slot still advances (heartbeat rows); delete + deploy starts clean;
+   deploy refuses while a Python relay runs and hands over the rows it left unpublished.
 """
 
 from __future__ import annotations
@@ -326,7 +328,7 @@ def _scrape(port: int) -> dict[str, float]:
 
 
 def test_connect_killed_mid_stream_and_down_30s_loses_nothing_and_the_slot_is_flagged(
-        dbz_settings: Settings, procs: ProcessRunner, worker: Worker) -> None:
+        dbz_settings: Settings, procs: ProcessRunner, worker: Worker, tmp_path: Path) -> None:
     s = dbz_settings
     env = _env(s)
     dbz.deploy(s)
@@ -334,6 +336,7 @@ def test_connect_killed_mid_stream_and_down_30s_loses_nothing_and_the_slot_is_fl
     port = _free_port()
     procs.start("metrics", "--port", str(port), **env)
     procs.start("consume-ready", **env)
+    procs.start("worker", **env)
     retained = f'jobstream_replication_slot_retained_bytes{{slot="{slot}"}}'
     active = f'jobstream_replication_slot_active{{slot="{slot}"}}'
     wait_for(lambda: _scrape(port).get(active) == 1.0, 60, "the slot active in /metrics",
@@ -360,13 +363,25 @@ def test_connect_killed_mid_stream_and_down_30s_loses_nothing_and_the_slot_is_fl
     t.start()
     wait_for(lambda: written >= 150, 60, "150 events written")
     worker.services("stop", "connect", "--immediate")  # kill -9 mid-stream
+    down_at = time.monotonic()
     killed_at = written
     wait_for(lambda: _scrape(port).get(active) == 0.0, 60, "the slot inactive in /metrics")
     before = _scrape(port)[retained]
     findings = dbz.check_replication_slot(s)
     assert [f.severity for f in findings] == ["critical"], findings
     assert "inactive" in findings[0].message
-    time.sleep(30)  # Connect stays down while intake goes on
+    # Intake goes on meanwhile: 5 documents become jobs whose events wait in the WAL.
+    docs = []
+    for i in range(5):
+        d = tmp_path / f"outage-{i}.txt"
+        d.write_text(f"Document {i} written while Kafka Connect was down. " * 20)
+        docs.append(uploaded_event(d, tenant_id="outage", idempotency_key=f"o-{i}", settings=s))
+    produce_raw(s, s.topic("document.uploaded"),
+                [(f"o-{i}".encode(), encode_event(e)) for i, e in enumerate(docs)])
+    wait_for(lambda: len(query(s.database_url, "SELECT 1 FROM job WHERE tenant_id = "
+                                               "'outage'")) == 5, 25,
+             "intake to accept the 5 documents while Connect is down", procs.logs)
+    time.sleep(max(0.0, 30 - (time.monotonic() - down_at)))  # Connect down 30 s in all
     after = _scrape(port)[retained]
     assert written > killed_at + 100, (killed_at, written)
     assert after > before, (before, after)
@@ -399,6 +414,14 @@ def test_connect_killed_mid_stream_and_down_30s_loses_nothing_and_the_slot_is_fl
                                     "downstream.ledger_charge WHERE tenant_id = 'kill9' "
                                     "GROUP BY dedup_key")
     assert len(charges) == len(jobs) and all(c["n"] == 1 for c in charges)
+    # The jobs accepted during the outage went through the whole pipeline once.
+    def outage_applied() -> list[dict]:
+        rows = query(s.database_url,
+                     "SELECT dedup_key, count(*) AS n FROM downstream.document_analysis "
+                     "WHERE tenant_id = 'outage' GROUP BY dedup_key")
+        return rows if len(rows) == 5 else []
+    rows = wait_for(outage_applied, 120, "the outage's 5 jobs applied", procs.logs)
+    assert all(r["n"] == 1 for r in rows)
     # Drained: the slot is streamed again and the check is clean.
     wait_for(lambda: _scrape(port).get(active) == 1.0, 60, "the slot active again")
     assert all(f.ok for f in dbz.check_replication_slot(s))

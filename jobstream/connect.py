@@ -353,7 +353,11 @@ def check_replication_slot(settings: Settings) -> list[Finding]:
     ``ok`` otherwise. No slot: one ``ok`` finding, unless ``JOBSTREAM_RELAY=debezium`` (then
     the missing slot is ``critical``: nothing publishes the outbox). Postgres being down
     raises ``psycopg.OperationalError``."""
-    stats = slot_stats(settings)
+    return slot_findings(slot_stats(settings), settings)
+
+
+def slot_findings(stats: list[dict[str, Any]], settings: Settings) -> list[Finding]:
+    """:func:`check_replication_slot` on given :func:`slot_stats` rows (no I/O)."""
     limit = settings.slot_retained_alert_bytes
     if not stats:
         if settings.relay == "debezium":

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from jobstream.connect import TEMPLATE, names, render_config
+from jobstream.connect import TEMPLATE, names, render_config, slot_findings
 from jobstream.metrics import postgres_families
 from jobstream.settings import Settings
 from jobstream.store import outbox_message
@@ -80,3 +80,21 @@ def test_slot_metrics_carry_retained_bytes_and_active_per_slot() -> None:
     assert m[("jobstream_replication_slot_active", (("slot", "a"),))] == 1
     assert m[("jobstream_replication_slot_retained_bytes", (("slot", "b"),))] == 9 << 30
     assert m[("jobstream_replication_slot_active", (("slot", "b"),))] == 0
+
+
+def _slot(active: bool, retained: int) -> dict:
+    return {"slot": "s1", "active": active, "wal_status": "reserved",
+            "retained_bytes": retained, "unconfirmed_bytes": retained}
+
+
+def test_slot_check_flags_an_inactive_slot_and_one_over_the_threshold() -> None:
+    s = Settings(database_url=URL, slot_retained_alert_bytes=1000)
+    [ok] = slot_findings([_slot(True, 999)], s)
+    assert ok.ok and ok.severity == "info"
+    [lag] = slot_findings([_slot(True, 1001)], s)
+    assert not lag.ok and lag.severity == "warning" and "1001" in lag.message
+    [down] = slot_findings([_slot(False, 10)], s)
+    assert not down.ok and down.severity == "critical" and "inactive" in down.message
+    assert slot_findings([], s)[0].ok  # the Python relay: no slot is fine
+    [missing] = slot_findings([], s.model_copy(update={"relay": "debezium"}))
+    assert not missing.ok and missing.severity == "critical" and "connect deploy" in missing.message

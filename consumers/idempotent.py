@@ -1,12 +1,22 @@
 """A small, reusable idempotent consumer on confluent-kafka and psycopg.
 
-For every message: decode (poison -> ``<topic>.dlq`` with the reason in headers, then move on);
+For every message: decode, bounded (poison -> dead-lettered with the reason, then move on);
 open ONE Postgres transaction; insert ``(consumer_group, dedup_key, event_type)`` into
 ``processed_event``; if the row already existed the event is a duplicate (redelivery or
 re-publication) and the handler is not called; else run ``handler(conn, event)`` in that same
 transaction; commit; only then store the Kafka offset (``enable.auto.offset.store=false``; the
 stored offsets are auto-committed). A crash anywhere before the commit redoes everything; a
 crash after it finds the row. That is "delivered at-least-once, applied exactly once".
+
+Failures (one route for every consumer, ``jobstream.deadletter``): a message without key,
+over ``kafka_message_max_bytes``, nested deeper than ``max_json_depth``, undecodable,
+schema-violating, refused by the handler (:class:`PoisonMessage`), holding data Postgres cannot
+store (``invalid_data``) or reusing an event id with other content (``event_id_conflict``) is
+poison: dead-lettered (``<topic>.dlq``, else the ``dead_letter`` table) and its offset stored
+once that is durable. Postgres or Kafka unavailable is transient: retried with backoff, nothing
+skipped. Any other handler error is retried until the same error failed the same message
+``consumer_poison_after`` times, then dead-lettered as ``handler_error``. Poison never blocks a
+partition.
 
 Batches: the messages already fetched when one arrives (up to ``max_batch``) are applied in
 ONE transaction: one multi-row ``processed_event`` insert tells which keys are new, the handler
@@ -27,13 +37,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message
 
 from jobstream import faults, logs
 from jobstream.db import QUERIES as Q
 from jobstream.db import connect
-from jobstream.errors import PoisonMessage
-from jobstream.kafka import consumer_config, dlq_headers, producer_config
+from jobstream.deadletter import HANDLER_ERROR, DeadLetterSink, FailureCounter, classify, describe
+from jobstream.errors import PoisonMessage, RetryableError
+from jobstream.kafka import consumer_config
 from jobstream.settings import Settings
 from schemas.events import decode_event
 
@@ -79,7 +90,8 @@ class IdempotentConsumer:
         self.stats = ConsumerStats()
         self._stop = threading.Event()
         self._consumer = Consumer(consumer_config(settings, group))
-        self._dlq = Producer(producer_config(settings, **{"client.id": f"{group}-dlq"}))
+        self._sink = DeadLetterSink(settings, group=group)
+        self._failures = FailureCounter()
         self._conn: psycopg.Connection | None = None
 
     def stop(self, *_: Any) -> None:
@@ -92,16 +104,22 @@ class IdempotentConsumer:
         return self._conn
 
     def _dead_letter(self, msg: Message, code: str, reason: str) -> None:
-        kept = [(k, v) for k, v in (msg.headers() or []) if not k.startswith("dlq_")]
-        headers = kept + list(dlq_headers(code, reason, msg.topic() or "",
-                                          msg.partition() or 0, msg.offset() or 0).items())
-        self._dlq.produce(f"{msg.topic()}.dlq", value=msg.value(), key=msg.key(),
-                          headers=headers)
-        if self._dlq.flush(30):
-            raise RuntimeError("dead-letter message not delivered within 30 s")
+        """Make the dead letter durable (``<topic>.dlq``, else the dead_letter table). Raises
+        :class:`RetryableError` when neither took it: the offset must not be stored."""
+        self._sink.send(topic=msg.topic() or "", partition=msg.partition() or 0,
+                        offset=msg.offset() or 0, key=msg.key(), value=msg.value(),
+                        headers=list(msg.headers() or []), code=code, reason=reason)
         self.stats.dead_lettered += 1
-        log.warning("dead-lettered %s[%d]@%d: %s: %s", msg.topic(), msg.partition(),
-                    msg.offset(), code, reason)
+
+    def _decode(self, msg: Message) -> Any:
+        """The message's event, bounded (size, JSON depth) before parsing. Raises
+        :class:`PoisonMessage` (a message without key is ``missing_key``)."""
+        if msg.key() is None:
+            raise PoisonMessage("message has no key (jobstream events are keyed by job id)",
+                                code="missing_key")
+        return decode_event(msg.value(), expected=self.event_types,
+                            max_bytes=self.settings.kafka_message_max_bytes,
+                            max_depth=self.settings.max_json_depth)
 
     def process(self, msg: Message) -> str:
         """Handle one message; returns ``applied``, ``duplicate`` or ``dead_lettered``.
@@ -117,7 +135,7 @@ class IdempotentConsumer:
 
     def _process(self, msg: Message) -> str:
         try:
-            event = decode_event(msg.value(), expected=self.event_types)
+            event = self._decode(msg)
         except PoisonMessage as exc:
             self._dead_letter(msg, exc.code, str(exc))
             return "dead_lettered"
@@ -126,15 +144,13 @@ class IdempotentConsumer:
         conn = self._db()
         try:
             with conn.transaction():
-                row = conn.execute(Q["record_processed"], (
-                    self.group, event.dedup_key, event.event_type, event.event_id,
-                    event.job_id)).fetchone()
+                row = _record(conn, self.group, event)
                 if row is None:
                     self.stats.duplicates += 1
                     return "duplicate"
                 self.handler(conn, event)
-        except PoisonMessage as exc:
-            self._dead_letter(msg, exc.code, str(exc))
+        except (PoisonMessage, psycopg.DataError, UnicodeEncodeError) as exc:
+            self._dead_letter(msg, classify(exc)[1], describe(exc))
             return "dead_lettered"
         self.stats.applied += 1
         return "applied"
@@ -153,7 +169,7 @@ class IdempotentConsumer:
         first: dict[tuple[str, str], tuple[int, Any]] = {}  # key -> first copy in the batch
         for i, msg in enumerate(msgs):
             try:
-                event = decode_event(msg.value(), expected=self.event_types)
+                event = self._decode(msg)
             except PoisonMessage as exc:
                 poison.append((i, exc))
                 continue
@@ -166,7 +182,7 @@ class IdempotentConsumer:
                     Q["record_processed_batch"], (
                         self.group, [e.dedup_key for e in events],
                         [e.event_type for e in events], [e.event_id for e in events],
-                        [e.job_id for e in events])).fetchall()}
+                        [e.job_id for e in events])).fetchall()}  # event_id reused: raises
                 todo = [(i, ev) for key, (i, ev) in first.items() if key in new]
                 if self.batch_handler is not None:
                     if todo:
@@ -189,28 +205,67 @@ class IdempotentConsumer:
                               msg.offset())
         return outcomes
 
-    def _retrying(self, fn: Callable[[], Any]) -> bool:
-        """Run ``fn`` until it succeeds (backoff between tries); False if stopped first."""
+    def _settle(self, msg: Message) -> bool:
+        """Process ``msg`` until it is applied, a duplicate or dead-lettered; False if stopped
+        first (its offset must then not be stored).
+
+        Poison (decode, validation, :class:`PoisonMessage`, ``psycopg.DataError``) is
+        dead-lettered at once. Transient failures (Postgres or the broker away) are retried with
+        backoff, nothing skipped. Any other handler error is retried too, but the same error on
+        the same message ``consumer_poison_after`` times in a row makes it poison
+        (``handler_error``, the exception as reason). Each failure logs one ``processing
+        failed`` line with topic/partition/offset and the next action.
+        """
+        position = (msg.topic(), msg.partition(), msg.offset())
         backoff = 0.5
         while not self._stop.is_set():
             try:
-                fn()
+                self.process(msg)
+                self._failures.forget(position)
                 return True
-            except Exception as exc:  # rolled back: retry, never skip the message
-                log.warning("processing failed (%s: %s); retrying in %.1fs",
-                            type(exc).__name__, exc, backoff)
+            except Exception as exc:  # rolled back: decide, never skip silently
+                kind, code = classify(exc)
                 if isinstance(exc, psycopg.OperationalError) and self._conn is not None:
                     self._conn.close()
                     self._conn = None
+                if kind == "bug":
+                    n = self._failures.record(position, exc)
+                    if n >= self.settings.consumer_poison_after:
+                        log.warning("processing failed %s[%d]@%d (%s, %d times); next: "
+                                    "dead-letter (%s)", *position, describe(exc), n,
+                                    HANDLER_ERROR)
+                        if self._dead_letter_or_wait(msg, HANDLER_ERROR,
+                                                     f"failed {n} times: {describe(exc)}"):
+                            self._failures.forget(position)
+                            return True
+                        continue
+                    action = f"retry {n + 1}/{self.settings.consumer_poison_after}"
+                elif kind == "poison":  # raised by the dead-lettering inside process()
+                    action = "retry"
+                else:
+                    action = "retry (transient)"
+                log.warning("processing failed %s[%d]@%d (%s: %s); next: %s in %.1fs",
+                            *position, code, describe(exc), action, backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
         return False
 
+    def _dead_letter_or_wait(self, msg: Message, code: str, reason: str) -> bool:
+        """Dead-letter ``msg``; True once durable, False (after a short wait) when neither the
+        DLQ nor Postgres took it (the caller tries again)."""
+        try:
+            self._dead_letter(msg, code, reason)
+            return True
+        except RetryableError as exc:
+            log.warning("processing failed %s[%d]@%d: %s; next: retry the dead letter in 1s",
+                        msg.topic(), msg.partition(), msg.offset(), exc)
+            self._stop.wait(1.0)
+            return False
+
     def _one_by_one(self, msgs: list[Message]) -> bool:
-        """The per-message path: apply, then store the offset, message after message."""
+        """The per-message path: settle, then store the offset, message after message."""
         for msg in msgs:
-            outcome: list[str] = []
-            if not self._retrying(lambda m=msg, o=outcome: o.append(self.process(m))):
+            if not self._settle(msg):
                 return False  # stopping: the offset of the unprocessed message is not stored
             faults.point("consumer_after_apply_before_offset")
             self._store_offset(msg)
@@ -287,6 +342,22 @@ class IdempotentConsumer:
             if self._conn is not None:
                 self._conn.close()
         return self.stats
+
+
+def _record(conn: psycopg.Connection, group: str, event: Any) -> Any:
+    """Insert the idempotent-consumer row; ``None`` for a duplicate. Raises
+    :class:`PoisonMessage` ``event_id_conflict`` when the event id was already recorded with
+    other content (another dedup key or event type)."""
+    try:
+        with conn.transaction():  # a savepoint: the outer transaction survives the refusal
+            return conn.execute(Q["record_processed"], (
+                group, event.dedup_key, event.event_type, event.event_id,
+                event.job_id)).fetchone()
+    except psycopg.errors.UniqueViolation as exc:
+        if exc.diag.constraint_name != "processed_event_event_id":
+            raise
+        raise PoisonMessage(f"event_id {event.event_id} was already used by another event",
+                            code="event_id_conflict") from None
 
 
 def run_forever(consumer: IdempotentConsumer) -> int:

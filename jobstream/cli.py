@@ -229,11 +229,20 @@ def publish(files: tuple[Path, ...], tenant: str, idempotency_key: str | None, l
     s = get_settings()
     if idempotency_key and len(files) > 1:
         raise click.UsageError("--idempotency-key names one intent: give one file")
+    for f in files:  # the limit intake applies, which also fits a Kafka message (settings)
+        if f.stat().st_size > s.max_inline_document_bytes:
+            raise click.UsageError(
+                f"{f} has {f.stat().st_size} bytes; documents travel inline up to "
+                f"JOBSTREAM_MAX_INLINE_DOCUMENT_BYTES={s.max_inline_document_bytes}")
     events = [uploaded_event(f, tenant_id=tenant, settings=s, lane=lane,
                              idempotency_key=idempotency_key or f"{tenant}:{f.name}",
                              prompt_version=prompt_version, model_profile=model_profile)
               for f in files]
-    do_submit(s, events)
+    from confluent_kafka import KafkaException
+    try:
+        do_submit(s, events)
+    except (KafkaException, RuntimeError) as exc:  # refused by the client or the broker
+        _fail(exc)
     for e in events:
         click.echo(f"published {e.payload.document.filename} key={e.idempotency_key}")
 
@@ -535,7 +544,7 @@ def gc(max_batches: int | None, as_json: bool) -> None:
 
 @main.group()
 def dlq() -> None:
-    """Inspect and replay dead-lettered messages (the <topic>.dlq topics)."""
+    """Inspect and replay dead-lettered messages (<topic>.dlq topics, dead_letter table)."""
 
 
 def _fail(exc: Exception) -> NoReturn:
@@ -562,7 +571,9 @@ def _logical_topic(topic: str | None) -> None:
 def dlq_list(topic: str | None, limit: int, as_json: bool) -> None:
     """Show dead-lettered messages: position, reason, origin, key, first bytes of the value.
 
-    Read-only: the reader is assigned partitions and never commits, so no consumer group's
+    Lists the <topic>.dlq topics and the Postgres dead_letter table (dead letters the DLQ did
+    not take, outbox rows the relay could not deliver: rows dead_letter:<id>, JSON "source":
+    "table"). Read-only: the reader is assigned partitions and never commits, so no consumer group's
     offsets move.
     """
     import json
@@ -573,6 +584,7 @@ def dlq_list(topic: str | None, limit: int, as_json: bool) -> None:
     try:
         rows = [d.to_dict() for d in dlq_mod.list_dead_letters(get_settings(), topic,
                                                                limit=limit)]
+        rows += dlq_mod.list_stored(get_settings(), topic, limit=limit)
     except (JobstreamError, ValueError) as exc:
         _fail(exc)
     if as_json:
@@ -590,7 +602,8 @@ def dlq_list(topic: str | None, limit: int, as_json: bool) -> None:
     t.add_column("key", overflow="fold")
     t.add_column("value", overflow="fold", ratio=2)
     for r in rows:
-        t.add_row(f"{short(r['dlq_topic'])}[{r['partition']}]@{r['offset']}",
+        t.add_row(r["ref"] if r["source"] == "table"
+                  else f"{short(r['dlq_topic'])}[{r['partition']}]@{r['offset']}",
                   r["dlq_reason_code"] or "?", (r["dlq_reason"] or "")[:160],
                   f"{short(r['original_topic'])}[{r['original_partition']}]"
                   f"@{r['original_offset']}",
@@ -622,7 +635,9 @@ def dlq_replay(topic: str, reason_codes: tuple[str, ...], limit: int | None, dry
     Messages left out by --reason-code or --limit stay replayable by a later run. The consumer
     group <prefix>jobstream-dlq-replay commits, per DLQ partition, the first offset not yet
     replayed (after the produce was acknowledged); later runs start reading there. One replay
-    per DLQ topic runs at a time. Exit code 1 when a delivery failed or on an error.
+    per DLQ topic runs at a time. Then the topic's rows of the Postgres dead_letter table not
+    replayed yet are re-produced the same way (header dlq_replayed_from=dead_letter:<id>) and
+    marked replayed once acknowledged. Exit code 1 when a delivery failed or on an error.
     """
     import json
 
@@ -648,7 +663,8 @@ def dlq_replay(topic: str, reason_codes: tuple[str, ...], limit: int | None, dry
             click.echo(f"unreplayable {ref}: {why}")
         click.echo(f"{report.dlq_topic}: {verb} {len(report.replayed)}, failed "
                    f"{len(report.failed)}, already replayed {report.already_replayed}, "
-                   f"skipped by filter {report.skipped}, unreplayable "
+                   f"skipped by filter {report.skipped}, references to the dead_letter table "
+                   f"{report.references}, unreplayable "
                    f"{len(report.unreplayable)}"
                    + (" (stopped at --limit)" if report.limit_reached else ""))
     if report.failed:

@@ -1,4 +1,11 @@
-"""Dead-letter tools: list the messages of ``<topic>.dlq`` topics and replay them.
+"""Dead-letter tools: list the messages of ``<topic>.dlq`` topics and of the Postgres
+``dead_letter`` table (migration 0008), and replay them.
+
+A dead letter lives in one of two places (``jobstream.deadletter``): on ``<topic>.dlq``, or, when
+that topic did not take it (too large, refused, broker away) or the relay could not deliver an
+outbox row, in the ``dead_letter`` table, with a small reference record (header ``dlq_stored``)
+on the DLQ where possible. Listing shows both (reference records only through their row);
+replay re-produces both, the table rows after the topic's messages.
 
 A dead-lettered message keeps the original key and value bytes; its headers say why and where
 it came from: ``dlq_reason_code``, ``dlq_reason``, ``dlq_original_topic``,
@@ -50,6 +57,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Produ
 
 from jobstream.db import QUERIES as Q
 from jobstream.db import connect
+from jobstream.deadletter import CONSUMED_TOPIC_HEADER, STORED_HEADER
 from jobstream.errors import PermanentError, RetryableError
 from jobstream.kafka import CONSUMED_TOPICS, base_config, producer_config
 from jobstream.settings import Settings
@@ -139,17 +147,29 @@ class DeadLetter:
         """``dlq_original_offset``."""
         return self._int_header("dlq_original_offset")
 
+    @property
+    def stored_as(self) -> str | None:
+        """``dead_letter:<id>`` when this DLQ message is only a reference record: the original
+        did not fit the DLQ and is kept in the Postgres ``dead_letter`` table."""
+        return self.header(STORED_HEADER)
+
     def to_dict(self, head_bytes: int = 64) -> dict[str, Any]:
-        """A JSON-ready summary: position, reason, origin, key (text), value size and the first
-        ``head_bytes`` bytes of the value as text (undecodable bytes escaped)."""
+        """A JSON-ready summary: ``source`` (``topic``), position, reason, origin
+        (``consumed_topic``: where it was read, e.g. a ``.retry`` twin), the original headers
+        (``dlq_*`` left out), key (text), value size and the first ``head_bytes`` bytes of the
+        value as text (undecodable bytes escaped)."""
         value = self.value
         return {
-            "dlq_topic": self.dlq_topic, "partition": self.partition, "offset": self.offset,
+            "source": "topic", "dlq_topic": self.dlq_topic, "partition": self.partition,
+            "offset": self.offset,
             "timestamp_ms": self.timestamp_ms,
             "dlq_reason_code": self.reason_code, "dlq_reason": self.reason,
             "original_topic": self.original_topic,
+            "consumed_topic": self.header(CONSUMED_TOPIC_HEADER) or self.original_topic,
             "original_partition": self.original_partition,
             "original_offset": self.original_offset,
+            "headers": {k: None if v is None else v.decode("utf-8", "backslashreplace")
+                        for k, v in self.headers if not k.startswith("dlq_")},
             "key": None if self.key is None else self.key.decode("utf-8", "backslashreplace"),
             "value_size": self.value_size,
             "value_head": None if value is None
@@ -270,7 +290,9 @@ def list_dead_letters(settings: Settings, topic: str | None = None, *, limit: in
                       head_bytes: int = 64) -> list[DeadLetter]:
     """The oldest ``limit`` messages of each DLQ topic (of logical ``topic``, else of every
     consumed topic), ordered by topic, timestamp, partition, offset. Values are cut to
-    ``head_bytes`` (``value_size`` keeps the full size).
+    ``head_bytes`` (``value_size`` keeps the full size). Reference records (header
+    ``dlq_stored``: the original is in the ``dead_letter`` table) are left out; see
+    :func:`list_stored` for the table.
 
     Reads from the low watermark with an assigned consumer that never commits (its throwaway
     group id is never joined or written): no consumer group is disturbed. With ``topic=None``
@@ -293,12 +315,51 @@ def list_dead_letters(settings: Settings, topic: str | None = None, *, limit: in
             marks = _watermarks(consumer, name, parts)
             starts = {p: lo for p, (lo, _hi) in marks.items()}
             ends = {p: min(hi, lo + limit) for p, (lo, hi) in marks.items()}
-            got = sorted(_read(consumer, name, starts, ends, keep_value_bytes=head_bytes),
+            got = sorted((d for d in _read(consumer, name, starts, ends,
+                                           keep_value_bytes=head_bytes)
+                          if d.stored_as is None),  # the table row is listed instead
                          key=lambda d: (d.timestamp_ms or 0, d.partition, d.offset))
             out.extend(got[:limit])
     finally:
         consumer.close()
     return out
+
+
+def stored_to_dict(row: dict[str, Any], head_bytes: int = 64) -> dict[str, Any]:
+    """A JSON-ready summary of one ``dead_letter`` row, with the keys of
+    :meth:`DeadLetter.to_dict` (``source`` = ``table``; ``dlq_topic``, ``partition`` and
+    ``offset`` are ``None``) plus ``dead_letter_id``, ``ref`` (``dead_letter:<id>``),
+    ``stored_by`` (``consumer``/``relay``), ``dlq_error`` and ``replayed_at``."""
+    value, key = row["value"], row["kafka_key"]
+    return {
+        "source": "table", "dead_letter_id": row["id"], "ref": f"dead_letter:{row['id']}",
+        "stored_by": row["source"], "dlq_topic": None, "partition": None, "offset": None,
+        "timestamp_ms": int(row["created_at"].timestamp() * 1000),
+        "dlq_reason_code": row["reason_code"], "dlq_reason": row["reason"],
+        "original_topic": row["topic"], "consumed_topic": row["consumed_topic"] or row["topic"],
+        "original_partition": row["kafka_partition"], "original_offset": row["kafka_offset"],
+        "headers": {k: None if v is None else bytes(v).decode("utf-8", "backslashreplace")
+                    for k, v in zip(row["header_names"], row["header_values"], strict=True)},
+        "key": None if key is None else bytes(key).decode("utf-8", "backslashreplace"),
+        "value_size": -1 if value is None else len(value),
+        "value_head": None if value is None
+        else bytes(value[:head_bytes]).decode("utf-8", "backslashreplace"),
+        "dlq_error": row["dlq_error"],
+        "replayed_at": None if row["replayed_at"] is None else row["replayed_at"].isoformat(),
+    }
+
+
+def list_stored(settings: Settings, topic: str | None = None, *, limit: int = 100,
+                head_bytes: int = 64) -> list[dict[str, Any]]:
+    """The oldest ``limit`` rows of the ``dead_letter`` table for logical ``topic`` (else of
+    every topic with the settings' prefix: the relay parks rows of any topic), as
+    :func:`stored_to_dict` summaries. Raises PermanentError
+    ``schema_missing`` (run ``jobstream migrate``) and RetryableError ``db_unavailable``."""
+    with _ledger(settings.database_url) as conn:
+        rows = conn.execute(Q["dead_letter_list"], {
+            "topics": [settings.topic(topic)] if topic else None,
+            "prefix": settings.topic_prefix, "limit": limit}).fetchall()
+    return [stored_to_dict(r, head_bytes) for r in rows]
 
 
 # ---------------------------------------------------------------------------------- replay
@@ -348,6 +409,7 @@ class ReplayReport:
     failed: list[ReplayItem] = field(default_factory=list)
     already_replayed: int = 0
     skipped: int = 0
+    references: int = 0
     unreplayable: list[tuple[str, str]] = field(default_factory=list)
     limit_reached: bool = False
     committed: dict[int, int] = field(default_factory=dict)
@@ -401,7 +463,8 @@ def _ledger(url: str) -> Iterator[psycopg.Connection]:
         with connect(url, autocommit=True) as conn:
             yield conn
     except psycopg.errors.UndefinedTable:
-        raise PermanentError("table dlq_replay is missing: run `jobstream migrate`",
+        raise PermanentError("table dlq_replay or dead_letter is missing: run `jobstream "
+                             "migrate`",
                              code="schema_missing") from None
     except psycopg.OperationalError as exc:
         raise RetryableError(f"database unavailable: {exc}", code="db_unavailable") from None
@@ -437,6 +500,10 @@ class _Replayer:
             r.already_replayed += 1
             return True
         self.pending.setdefault(dl.partition, set()).add(dl.offset)
+        if dl.stored_as is not None:  # the original is replayed from the table
+            r.references += 1
+            self.pending[dl.partition].discard(dl.offset)
+            return True
         if self.reason_codes and dl.reason_code not in self.reason_codes:
             r.skipped += 1
             return True
@@ -576,7 +643,74 @@ def replay(settings: Settings, topic: str, *, reason_codes: Sequence[str] = (),
                 _commit_resume_points(consumer, run, starts, read_to, committed)
         finally:
             consumer.close()
+        if not report.limit_reached:
+            _replay_stored(settings, conn, report, source_partitions=source_partitions,
+                           reason_codes=set(reason_codes), limit=limit)
     return report
+
+
+def _replay_stored(settings: Settings, conn: psycopg.Connection, report: ReplayReport, *,
+                   source_partitions: int, reason_codes: set[str], limit: int | None) -> None:
+    """Replay the ``dead_letter`` rows of the report's topic not replayed yet: re-produce the
+    original key, value and headers (plus ``dlq_replayed_from=dead_letter:<id>``), then mark
+    the row replayed. Rows parked by the relay go to their topic as they are (and fail again
+    while the topic still refuses them)."""
+    rows = conn.execute(Q["dead_letter_list"], {
+        "topics": [report.original_topic], "prefix": "", "limit": 1_000_000}).fetchall()
+    todo = []
+    for r in rows:
+        if r["replayed_at"] is not None:
+            report.already_replayed += 1
+        elif reason_codes and r["reason_code"] not in reason_codes:
+            report.skipped += 1
+        elif limit is not None and len(report.replayed) + len(report.failed) + len(todo) >= limit:
+            report.limit_reached = True
+            break
+        else:
+            todo.append(r)
+    if not todo:
+        return
+
+    def item(r: dict[str, Any], **extra: Any) -> ReplayItem:
+        return ReplayItem(f"dead_letter:{r['id']}", -1, -1, r["reason_code"],
+                          report.original_topic, r["kafka_partition"], r["kafka_offset"],
+                          **extra)
+
+    if report.dry_run:
+        report.replayed.extend(item(r) for r in todo)
+        return
+    producer = Producer(producer_config(settings, **{
+        "client.id": settings.group(REPLAY_GROUP),
+        "message.max.bytes": settings.kafka_message_max_bytes + settings.dlq_headroom_bytes}))
+    results: dict[int, tuple[KafkaError | None, Message | None]] = {}
+    for r in todo:
+        part = r["kafka_partition"]
+        if part is None or not 0 <= part < source_partitions:
+            part = -1
+        headers = [*zip(r["header_names"], r["header_values"], strict=True),
+                   (REPLAYED_FROM_HEADER, f"dead_letter:{r['id']}".encode())]
+        try:
+            producer.produce(report.original_topic, key=r["kafka_key"], value=r["value"],
+                             partition=part, headers=headers,
+                             on_delivery=lambda err, msg, i=r["id"]: results.update(
+                                 {i: (err, msg)}))
+        except (KafkaException, BufferError) as exc:
+            results[r["id"]] = (exc.args[0] if exc.args and isinstance(
+                exc.args[0], KafkaError) else KafkaError(KafkaError._FAIL, str(exc)), None)
+        producer.poll(0)
+    producer.flush(60)
+    for r in todo:
+        err, msg = results.get(r["id"], (None, None))
+        if err is not None or msg is None:
+            why = str(err) if err is not None else "not acknowledged within 60s"
+            report.failed.append(item(r, error=why))
+            log.warning("replay of dead_letter:%d failed: %s", r["id"], why)
+            continue
+        conn.execute(Q["dead_letter_mark_replayed"], (msg.partition(), msg.offset(), r["id"]))
+        report.replayed.append(item(r, replayed_partition=msg.partition(),
+                                    replayed_offset=msg.offset()))
+        log.info("replayed dead_letter:%d -> %s[%s]@%s", r["id"], report.original_topic,
+                 msg.partition(), msg.offset())
 
 
 def _commit_resume_points(consumer: Consumer, run: _Replayer, starts: dict[int, int],

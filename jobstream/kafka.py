@@ -61,9 +61,19 @@ def base_config(settings: Settings) -> dict[str, Any]:
 
 
 def producer_config(settings: Settings, **extra: Any) -> dict[str, Any]:
-    """An idempotent producer: ``enable.idempotence=true`` and ``acks=all`` (design.md)."""
+    """An idempotent producer: ``enable.idempotence=true`` and ``acks=all`` (design.md), that
+    refuses messages over ``kafka_message_max_bytes`` (``message.max.bytes``) at produce()."""
     return {**base_config(settings), "enable.idempotence": True, "acks": "all",
-            "linger.ms": 5, "compression.type": "lz4", **extra}
+            "linger.ms": 5, "compression.type": "lz4",
+            "message.max.bytes": settings.kafka_message_max_bytes, **extra}
+
+
+def topic_max_message_bytes(settings: Settings, name: str) -> int:
+    """``max.message.bytes`` a topic is created with (bytes): ``kafka_message_max_bytes``, and
+    ``dlq_headroom_bytes`` more for a ``.dlq`` topic, whose messages are the originals plus the
+    ``dlq_*`` headers (so a DLQ always fits what its source topic accepted)."""
+    extra = settings.dlq_headroom_bytes if name.endswith(".dlq") else 0
+    return settings.kafka_message_max_bytes + extra
 
 
 def consumer_config(settings: Settings, group: str, **extra: Any) -> dict[str, Any]:
@@ -78,7 +88,9 @@ def consumer_config(settings: Settings, group: str, **extra: Any) -> dict[str, A
 
 
 def ensure_topics(settings: Settings, timeout_s: float = 30.0) -> list[str]:
-    """Create missing topics (partitions and replication from settings); returns those created.
+    """Create missing topics (partitions and replication from settings, ``max.message.bytes``
+    from :func:`topic_max_message_bytes`); returns those created. Existing topics keep their
+    configuration.
 
     Raises ``KafkaException`` when the broker refuses or does not answer within ``timeout_s``.
     """
@@ -89,7 +101,9 @@ def ensure_topics(settings: Settings, timeout_s: float = 30.0) -> list[str]:
         return []
     futures = admin.create_topics(
         [NewTopic(t, num_partitions=settings.topic_partitions,
-                  replication_factor=settings.topic_replication) for t in wanted],
+                  replication_factor=settings.topic_replication,
+                  config={"max.message.bytes": str(topic_max_message_bytes(settings, t))})
+         for t in wanted],
         operation_timeout=timeout_s)
     created = []
     for name, fut in futures.items():

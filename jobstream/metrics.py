@@ -34,6 +34,8 @@ outbox_backlog                               gauge     unpublished outbox rows
 outbox_oldest_age_seconds                    gauge     age of the oldest unpublished row
 replication_slot_retained_bytes{slot}        gauge     WAL held back by a logical slot (bytes)
 replication_slot_active{slot}                gauge     1 when the slot is being streamed
+dead_letters_stored{source,reason_code}      gauge     dead_letter rows not replayed (a DLQ
+                                                       that refused them, relay-parked rows)
 consumer_lag_messages{group,topic}           gauge     high watermark - committed offset
 consumer_group_lag_messages{group}           gauge     the same, summed per group
 provider_limit_window{profile}               gauge     the shared AIMD window (calls in flight)
@@ -198,7 +200,12 @@ def postgres_families(snap: dict[str, list[dict[str, Any]]]) -> list[Metric]:
     for r in snap.get("replication_slots", []):
         retained.add_metric([r["slot"]], int(r["retained_bytes"]))
         slot_active.add_metric([r["slot"]], 1 if r["active"] else 0)
-    return [window, ceiling, holding, halved, retained, slot_active,
+    stored = GaugeMetricFamily(f"{NS}_dead_letters_stored", "Dead letters kept in the Postgres "
+                               "dead_letter table and not replayed (source: consumer or relay).",
+                               labels=["source", "reason_code"])
+    for r in snap.get("dead_letters", []):
+        stored.add_metric([r["source"], r["reason_code"]], int(r["n"]))
+    return [window, ceiling, holding, halved, retained, slot_active, stored,
             created, accepted, by_status, runs, retries, rate, takeovers, expired, attempts,
             in_flight, unknown, cost, per_job, backlog, age,
             _histogram(f"{NS}_queue_wait_seconds", "Queue wait of stages finished in the "

@@ -12,12 +12,14 @@ import json
 from functools import lru_cache
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 #: Where ``scripts/services.sh`` starts the project-local services.
 DEFAULT_DATABASE_URL = "postgresql://jobstream:jobstream@127.0.0.1:55432/jobstream"
 DEFAULT_KAFKA = "127.0.0.1:9092"
+#: Room kept for a document.uploaded's envelope next to its base64 document (bytes).
+INLINE_ENVELOPE_BYTES = 64 * 1024
 
 
 class Settings(BaseSettings):
@@ -149,6 +151,35 @@ class Settings(BaseSettings):
         description="Extraction: address space of the PDF extractor process (bytes).",
     )
 
+    kafka_message_max_bytes: int = Field(
+        8 * 1024 * 1024, ge=10_000,
+        description="Largest message (bytes) jobstream produces or accepts: the producers' "
+                    "message.max.bytes, the pipeline topics' max.message.bytes (jobstream "
+                    "topics) and the consumers' bound before decoding (larger: DLQ "
+                    "message_too_large). DLQ topics get this plus dlq_headroom_bytes. Must fit "
+                    "max_inline_document_bytes as base64 in a document.uploaded.",
+    )
+    dlq_headroom_bytes: int = Field(
+        64 * 1024, ge=4096,
+        description="What a DLQ message may carry beyond its original (the dlq_* headers), "
+                    "bytes: the DLQ topics' max.message.bytes is kafka_message_max_bytes + this.",
+    )
+    max_json_depth: int = Field(
+        64, ge=4, description="Deepest JSON nesting a consumer parses; deeper values are "
+                              "dead-lettered (json_too_deep) before the parser sees them."
+    )
+    dlq_produce_timeout_s: float = Field(
+        10.0, gt=0, description="A dead letter not acknowledged by <topic>.dlq within this "
+                                "long is kept in the Postgres dead_letter table (seconds)."
+    )
+    consumer_poison_after: int = Field(
+        5, ge=1, description="Idempotent consumer: the same handler error on the same message "
+                             "this many times makes it poison (dead-lettered, partition moves on)."
+    )
+    relay_backoff_cap_s: float = Field(
+        30.0, gt=0, description="Relay: longest wait before re-sending rows whose delivery "
+                                "failed with a retriable error (seconds; doubles from 0.5)."
+    )
     relay_batch_size: int = Field(500, ge=1, description="Outbox rows per relay batch.")
     relay_poll_interval_s: float = Field(
         1.0, gt=0, description="Relay polling fallback when no NOTIFY arrives (seconds)."
@@ -245,6 +276,18 @@ class Settings(BaseSettings):
     api_emit_uploaded: bool = Field(
         False, description="The API also writes document.uploaded to the outbox for others."
     )
+
+    @model_validator(mode="after")
+    def _limits_agree(self) -> Settings:
+        """The largest inline document, base64 in a document.uploaded, fits a Kafka message."""
+        inline_b64 = 4 * -(-self.max_inline_document_bytes // 3)
+        if inline_b64 + INLINE_ENVELOPE_BYTES > self.kafka_message_max_bytes:
+            raise ValueError(
+                f"max_inline_document_bytes={self.max_inline_document_bytes} is "
+                f"{inline_b64} bytes as base64, over kafka_message_max_bytes="
+                f"{self.kafka_message_max_bytes} minus {INLINE_ENVELOPE_BYTES} for the "
+                "envelope: raise kafka_message_max_bytes or lower the inline limit")
+        return self
 
     @property
     def database_url(self) -> str:

@@ -22,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
 from pydantic import BaseModel, ValidationError
 
 from jobstream import faults
@@ -550,6 +551,8 @@ def run_stage(ctx: StageContext, ev: Any) -> str:
                               code_version=ctx.code_version(spec.stage),
                               generation=ev.generation)
         if isinstance(got, Skip):
+            if got.reason == "unknown_job":  # no job ever had this id: not our event
+                raise PoisonMessage(f"no job {ev.job_id}", code="unknown_job")
             return f"skipped:{got.reason}"
         if isinstance(got, Done):
             nxt = spec.emits(**common, idempotency_key=got.job["idempotency_key"],
@@ -617,6 +620,34 @@ def run_stage(ctx: StageContext, ev: Any) -> str:
     except StaleRun as exc:
         log.warning("discarding a stale run: %s", exc)
         return "stale"
+    except (RetryableError, OutcomeUnknown):
+        raise  # the stage was given back (released) above; the caller retries
+    except Exception as exc:
+        _end_run(ctx, claim, ev, group, common, exc)
+        raise
+
+
+def _end_run(ctx: StageContext, claim: Claim, ev: Any, group: str, common: dict[str, Any],
+             exc: Exception) -> None:
+    """A run that ended in an error nothing handles (a bug: ``internal_error``) or in poison
+    found after the claim (e.g. ``invalid_data``): end the stage and fail the job at once, with
+    a ``job.failed`` event (fenced by the run token), instead of leaving the stage ``running``
+    for the sweeper. The caller re-raises: the message is dead-lettered."""
+    code = exc.code if isinstance(exc, PoisonMessage) else "internal_error"
+    if isinstance(exc, psycopg.DataError | UnicodeEncodeError):
+        code = "invalid_data"
+    error = f"{type(exc).__name__}: {exc}"[:4000].replace("\x00", "\\x00")
+    failed = JobFailed(**common, payload=JobFailedPayload(stage=claim.stage, error_code=code,
+                                                          error=error))
+    try:
+        ctx.store.fail(claim, error_code=code, error=error, group=group,
+                       event_type=ev.event_type, event_id=ev.event_id,
+                       failed_msg=_msg(ctx, failed))
+        log.error("job %s failed at %s: %s (%s)", ev.job_id, claim.stage, error, code)
+    except StaleRun:
+        pass
+    except Exception as fail_exc:  # noqa: BLE001 - the original error is what gets raised
+        log.error("could not fail job %s after %s: %s", ev.job_id, code, fail_exc)
 
 
 def _msg(ctx: StageContext, event: Any, lane: str | None = None) -> OutboxMessage:

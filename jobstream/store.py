@@ -2,7 +2,8 @@
 
 Each public method is one short transaction (or joins the caller's via ``conn=``). Driver errors
 are translated here, and only here: ``psycopg.OperationalError`` (Postgres unreachable or
-restarting) becomes :class:`RetryableError` ``db_unavailable``.
+restarting) becomes :class:`RetryableError` ``db_unavailable``; ``psycopg.DataError`` (bytes or
+strings the database cannot store, e.g. NUL) becomes :class:`PoisonMessage` ``invalid_data``.
 """
 
 from __future__ import annotations
@@ -122,6 +123,9 @@ class Store:
             raise RetryableError(f"database unavailable: {exc}", code="db_unavailable") from None
         except psycopg.errors.SerializationFailure as exc:
             raise RetryableError(f"serialization failure: {exc}", code="db_conflict") from None
+        except (psycopg.DataError, UnicodeEncodeError) as exc:  # NUL, out of range, surrogate
+            raise PoisonMessage(f"data the database cannot store: {exc}",
+                                code="invalid_data") from None
 
     # ------------------------------------------------------------------ outbox
 
@@ -571,7 +575,8 @@ class Store:
         retries, lease_takeovers, expired_now), ``provider_attempts`` (outcome,
         model_profile, n, cost_usd), ``outbox`` (n, oldest_s), ``replication_slots`` (slot,
         active, wal_status, retained_bytes, unconfirmed_bytes), ``provider_limit`` (profile,
-        limit_now, max_limit, interactive_reserved, decreases, in_flight), and
+        limit_now, max_limit, interactive_reserved, decreases, in_flight), ``dead_letters``
+        (source, reason_code, n: dead_letter rows not replayed), and
         ``stage_durations`` /
         ``queue_waits`` (stage, lane, idx, n, sum_s: counts per bucket ``idx`` of ``bounds``,
         seconds, over stages finished in the last ``window_s`` seconds). Raises
@@ -589,6 +594,7 @@ class Store:
                 "outbox": list(conn.execute(Q["outbox_backlog"])),
                 "replication_slots": list(conn.execute(Q["replication_slots"])),
                 "provider_limit": list(conn.execute(Q["limit_state"])),
+                "dead_letters": list(conn.execute(Q["metrics_dead_letters"])),
                 "stage_durations": list(conn.execute(Q["metrics_stage_durations"], window)),
                 "queue_waits": list(conn.execute(Q["metrics_queue_waits"], {
                     **window, "stages": stages, "prevs": list(STAGES[:-1])})),

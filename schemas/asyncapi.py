@@ -51,11 +51,20 @@ RETRY_HEADERS: dict[str, str] = {
 #: Headers a dead-lettered message carries on a ``<topic>.dlq`` twin.
 DLQ_HEADERS: dict[str, str] = {
     "dlq_reason_code": "Why it was dead-lettered (not_json, schema_violation, "
-                       "unexpected_event_type, idempotency_key_conflict, unhandled, ...).",
+                       "unexpected_event_type, idempotency_key_conflict, message_too_large, "
+                       "json_too_deep, missing_key, invalid_data, unknown_job, unhandled, "
+                       "...; README, Bad input).",
     "dlq_reason": "Human-readable reason (at most 2000 characters).",
     "dlq_original_topic": "Topic the message was consumed from.",
     "dlq_original_partition": "Its partition there.",
     "dlq_original_offset": "Its offset there.",
+}
+#: Headers a dead letter carries only in some cases (``jobstream/deadletter.py``).
+DLQ_OPTIONAL_HEADERS: dict[str, str] = {
+    "dlq_consumed_topic": "Where it was actually read when that is not dlq_original_topic "
+                          "(its .retry twin); the partition and offset are positions there.",
+    "dlq_stored": "dead_letter:<id> when this is only a reference record (no value): the "
+                  "original did not fit the DLQ and is kept in the Postgres dead_letter table.",
 }
 #: Header of a message re-produced by ``jobstream dlq replay``.
 REPLAY_HEADERS: dict[str, str] = {
@@ -206,8 +215,8 @@ def render() -> dict[str, Any]:
             "name": twin, "title": twin,
             "summary": f"A dead-lettered message of {topic}: the original key and value "
                        "bytes (possibly not JSON at all) with the reason in headers.",
-            "headers": _headers({**_event_headers(topic), **DLQ_HEADERS},
-                                tuple(DLQ_HEADERS)),
+            "headers": _headers({**_event_headers(topic), **DLQ_HEADERS,
+                                 **DLQ_OPTIONAL_HEADERS}, tuple(DLQ_HEADERS)),
             "payload": {"description": "The original value bytes, unchanged (the "
                                        f"{model_name[event_type_of(topic)]} schema when it "
                                        "was valid JSON)."},

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import uuid
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
@@ -261,15 +262,75 @@ def encode_event(event: BaseModel) -> bytes:
     return event.model_dump_json().encode()
 
 
-def decode_event(raw: bytes | str | None, expected: str | tuple[str, ...] | None = None) -> Any:
-    """Parse and validate one event.
+#: Bounds :func:`decode_event` applies before parsing (the settings ``kafka_message_max_bytes``
+#: and ``max_json_depth`` default to these).
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+MAX_JSON_DEPTH = 64
+# A JSON string (escapes included): its brackets are not structure.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+# The JSON escape of U+0000 (not preceded by an escaped backslash). A raw NUL byte is not JSON.
+_JSON_NUL = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_PAIR = re.compile(rb"\[\]|\{\}")  # an innermost (empty) array or object: one level
 
-    ``expected``: the event type(s) this consumer accepts. Raises :class:`PoisonMessage` with a
-    reason (``not_json``, ``schema_violation``, ``unexpected_event_type``, ``empty``) for
-    anything else; the caller dead-letters it.
+
+def json_depth_exceeds(raw: bytes, max_depth: int) -> bool:
+    """True when the JSON text ``raw`` nests arrays/objects deeper than ``max_depth``.
+
+    A cheap scan run before any parser (Python's ``json`` raises ``RecursionError`` on deep
+    input): strings are cut out, then innermost ``[]``/``{}`` pairs are removed one level per pass
+    (at most ``max_depth + 1`` passes of one regex substitution). Malformed bracket
+    sequences are left to the parser (they are not JSON anyway).
+    """
+    if raw.count(b"[") + raw.count(b"{") <= max_depth:
+        return False
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    for _ in range(max_depth):
+        if not brackets:
+            return False
+        inner = _PAIR.sub(b"", brackets)
+        if inner == brackets:
+            return False  # unbalanced: not JSON, the parser says so
+        brackets = inner
+    # Still a level left after max_depth passes: deeper (unless only unbalanced residue).
+    return bool(brackets) and _PAIR.sub(b"", brackets) != brackets
+
+
+def decode_event(raw: bytes | str | None, expected: str | tuple[str, ...] | None = None, *,
+                 max_bytes: int = MAX_MESSAGE_BYTES, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Parse and validate one event, bounded before parsing.
+
+    ``expected``: the event type(s) this consumer accepts. ``max_bytes``: the largest value
+    parsed (bytes); ``max_depth``: the deepest JSON nesting parsed. Raises only
+    :class:`PoisonMessage`, with a reason code (``empty``, ``message_too_large``,
+    ``json_too_deep``, ``not_json``, ``schema_violation``, ``unexpected_event_type``); the
+    caller dead-letters it. No string of an event may contain U+0000 (Postgres text cannot
+    store it): ``schema_violation``.
     """
     if raw is None or raw in (b"", ""):
         raise PoisonMessage("empty message value", code="empty")
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8", "surrogatepass")
+    if len(raw) > max_bytes:
+        raise PoisonMessage(f"value of {len(raw)} bytes exceeds the limit of {max_bytes}",
+                            code="message_too_large")
+    if json_depth_exceeds(raw, max_depth):
+        raise PoisonMessage(f"JSON nested deeper than {max_depth} levels", code="json_too_deep")
+    if _JSON_NUL.search(raw):
+        raise PoisonMessage("a string contains U+0000 (NUL), which no event field may hold",
+                            code="schema_violation")
+    try:
+        return _decode(raw, expected)
+    except PoisonMessage:
+        raise
+    except RecursionError:
+        raise PoisonMessage("JSON nested too deep for the parser", code="json_too_deep") from None
+    except Exception as exc:  # noqa: BLE001 - the contract: only PoisonMessage escapes
+        raise PoisonMessage(f"undecodable: {type(exc).__name__}: {exc}"[:2000],
+                            code="not_json") from None
+
+
+def _decode(raw: bytes, expected: str | tuple[str, ...] | None) -> Any:
     wanted = (expected,) if isinstance(expected, str) else expected
     try:  # fast path: parse and validate in one pass (pydantic-core), no Python dict between
         event = _ADAPTER.validate_json(raw)
@@ -282,8 +343,8 @@ def decode_event(raw: bytes | str | None, expected: str | tuple[str, ...] | None
         return event
     try:
         obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PoisonMessage(f"value is not JSON: {exc}", code="not_json") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, int digits limit
+        raise PoisonMessage(f"value is not JSON: {exc}"[:2000], code="not_json") from None
     if isinstance(obj, dict) and wanted is not None:
         if "event_type" not in obj and len(wanted) == 1:
             obj["event_type"] = wanted[0]  # the schema gives it a default: the topic's type

@@ -63,6 +63,8 @@ def create_app(settings: Settings, stages: Iterable[str] | None = None,
         broker_heartbeat_interval=max(0.5, session_s / 5),
         broker_commit_interval=1.0,
         producer_acks=-1,
+        # Retry copies are the originals (up to kafka_message_max_bytes) plus retry headers.
+        producer_max_request_size=settings.kafka_message_max_bytes + settings.dlq_headroom_bytes,
         processing_guarantee="at_least_once",
     )
     ctx = StageContext(settings=settings, store=store or Store(

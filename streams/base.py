@@ -2,15 +2,23 @@
 
 Routing (style.md lesson 4: agents stay thin, failures are routed explicitly):
 
-- poison (undecodable, schema-violating, wrong type, rejected by the handler) -> ``<topic>.dlq``
-  with ``dlq_reason_code``, ``dlq_reason`` and the original topic/partition/offset in headers;
+- every message runs inside one guard (:func:`register_stage_agent`'s ``guarded``): whatever
+  escapes decoding, handling or routing is dead-lettered, the agent never crashes;
+- poison (no key, over ``kafka_message_max_bytes``, nested deeper than ``max_json_depth``,
+  undecodable, schema-violating, wrong type, rejected by the handler, data Postgres cannot store
+  -> ``invalid_data``) -> ``<topic>.dlq`` with ``dlq_reason_code``, ``dlq_reason`` and the
+  original topic/partition/offset in headers, or, when the DLQ does not take it, the Postgres
+  ``dead_letter`` table (:class:`jobstream.deadletter.DeadLetterSink`); the message is acked only
+  once one of them holds it;
 - transient (:class:`RetryableError`, :class:`OutcomeUnknown`): retried in place
   ``retry_in_place`` times with full-jitter backoff (a Postgres blip), then sent to
   ``<topic>.retry`` with ``retry_count`` and ``retry_not_before_ms`` headers and acked, so the
   partition moves on. A retry agent re-runs it after the not-before time; after
   ``retry_rounds`` rounds the job fails (``retry_budget_exhausted``) and the message is
   dead-lettered for inspection;
-- a bug (any other exception) -> dead-lettered with reason ``unhandled``, never a crash loop.
+- a bug (any other exception) -> dead-lettered with reason ``unhandled``, never a crash loop;
+  the stage run already ended (:func:`jobstream.stages.run_stage` fails the job with
+  ``internal_error`` and a ``job.failed`` event).
 
 faust acks an event when the agent takes the next one, so the offset commit always follows the
 stage's Postgres transaction (or the retry/DLQ produce, which is awaited until acknowledged).
@@ -26,10 +34,12 @@ from collections.abc import Callable
 from typing import Any
 
 import faust
+import psycopg
 
 from jobstream import faults, logs
+from jobstream.deadletter import UNHANDLED, DeadLetterSink, classify, describe
 from jobstream.errors import OutcomeUnknown, PoisonMessage, RetryableError
-from jobstream.kafka import dlq_headers
+from jobstream.settings import Settings
 from jobstream.stages import SPECS, StageContext, give_up
 from schemas.events import decode_event
 
@@ -52,6 +62,16 @@ def _header(event: faust.EventT, name: str) -> str | None:
     return None
 
 
+_SINKS: dict[str, DeadLetterSink] = {}
+
+
+def _sink(settings: Settings, group: str) -> DeadLetterSink:
+    """The dead-letter sink of a worker's consumer group (one per process)."""
+    if group not in _SINKS:
+        _SINKS[group] = DeadLetterSink(settings, group=group)
+    return _SINKS[group]
+
+
 def retry_delay_s(round_no: int, base_s: float, cap_s: float, retry_after_s: float | None
                   ) -> float:
     """Delay before retry round ``round_no`` (1-based): full-jitter exponential backoff
@@ -72,21 +92,35 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
     source = topic_name or consumes
     topic = app.topic(s.topic(source), **kw)
     retry_topic = app.topic(s.topic(source + ".retry"), **kw)
-    dlq = app.topic(s.topic(source + ".dlq"), **kw)
     # Log context + trace span of each message (intake is where a trace may start).
     scope = {"stage": SPECS[consumes].stage if consumes in SPECS else "uploaded",
              "group": app.conf.id, "start_trace": consumes == "document.uploaded"}
 
-    async def dead_letter(event: faust.EventT, code: str, reason: str) -> None:
+    sink = _sink(ctx.settings, app.conf.id)
+
+    async def dead_letter(event: faust.EventT, code: str, reason: str,
+                          job_id: Any = None) -> None:
+        """Make the dead letter durable (``<topic>.dlq``, else the dead_letter table); only
+        then may faust ack the message. Waits (with backoff) while neither takes it."""
         msg = event.message
-        src_topic = _header(event, "retry_original_topic") or msg.topic
-        log.warning("dead-lettering %s[%d]@%d: %s: %s", msg.topic, msg.partition, msg.offset,
-                    code, reason)
-        headers = {k: v for k, v in _items(msg.headers)
-                   if not k.startswith(("dlq_", "retry_"))}  # keep request_id, event_id, ...
-        headers.update(dlq_headers(code, reason, src_topic, msg.partition, msg.offset))
-        fut = await dlq.send(key=msg.key, value=msg.value, headers=headers)
-        await fut  # acknowledged by the broker before the original is acked
+        # The agent's own topic, also for its .retry twin: never a header's say-so (a forged
+        # retry_original_topic must not pick the DLQ or the replay target).
+        src_topic = s.topic(source)
+        headers = [(k, v) for k, v in _items(msg.headers) if not k.startswith("retry_")]
+        backoff = IN_PLACE_BASE_S
+        while True:
+            try:
+                await asyncio.to_thread(
+                    sink.send, topic=src_topic, consumed_topic=msg.topic,
+                    partition=msg.partition, offset=msg.offset, key=msg.key, value=msg.value,
+                    headers=headers, code=code, reason=reason, job_id=job_id)
+                return
+            except Exception as exc:  # RetryableError: neither Kafka nor Postgres took it
+                log.error("processing failed %s[%d]@%d: dead letter not durable (%s); next: "
+                          "retry the dead letter in %.1fs", msg.topic, msg.partition,
+                          msg.offset, describe(exc), backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, IN_PLACE_CAP_S * 6)
 
     async def to_retry(event: faust.EventT, exc: Exception, round_no: int) -> None:
         delay = retry_delay_s(round_no, s.retry_base_s, s.retry_cap_s,
@@ -107,8 +141,13 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
 
     async def process(event: faust.EventT, round_no: int) -> None:
         """Run one message: round 0 from the main topic, round N>=1 from the retry topic."""
+        if event.message.key is None:
+            await dead_letter(event, "missing_key", "message has no key (jobstream events are "
+                              "keyed by job id, or idempotency key on document.uploaded)")
+            return
         try:
-            ev = decode_event(event.message.value, expected=consumes)
+            ev = decode_event(event.message.value, expected=consumes,
+                              max_bytes=s.kafka_message_max_bytes, max_depth=s.max_json_depth)
         except PoisonMessage as exc:
             await dead_letter(event, exc.code, str(exc))
             return
@@ -121,8 +160,9 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
                 log.info("%s %s job=%s round=%d -> %s", name, ev.event_type,
                          getattr(ev, "job_id", "-"), round_no, outcome)
                 return
-            except PoisonMessage as exc:
-                await dead_letter(event, exc.code, str(exc))
+            except (PoisonMessage, psycopg.DataError, UnicodeEncodeError) as exc:
+                await dead_letter(event, classify(exc)[1], describe(exc),
+                                  getattr(ev, "job_id", None))
                 return
             except (RetryableError, OutcomeUnknown) as exc:
                 if attempt < s.retry_in_place:
@@ -145,24 +185,43 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
                 await to_retry(event, exc, round_no + 1)
                 return
             except Exception as exc:  # a bug must not crash-loop the partition
-                log.exception("%s: unhandled error; dead-lettering", name)
-                await dead_letter(event, "unhandled", f"{type(exc).__name__}: {exc}")
+                # run_stage already ended the stage and failed the job (internal_error).
+                log.exception("processing failed %s[%d]@%d: unhandled error; next: "
+                              "dead-letter (unhandled)", event.message.topic,
+                              event.message.partition, event.message.offset)
+                await dead_letter(event, UNHANDLED, describe(exc), getattr(ev, "job_id", None))
                 return
+
+    async def guarded(event: faust.EventT, round_no: int) -> None:
+        """The one guard around a consumed message: whatever escapes decoding, handling or
+        routing is dead-lettered (``unhandled``); the agent never crashes."""
+        try:
+            with logs.message_scope(event.message.headers, **scope):
+                await process(event, round_no)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("processing failed %s[%d]@%d: %s; next: dead-letter (unhandled)",
+                          event.message.topic, event.message.partition, event.message.offset,
+                          describe(exc))
+            await dead_letter(event, UNHANDLED, describe(exc))
 
     async def agent(stream: faust.StreamT) -> None:
         async for event in stream.events():
-            with logs.message_scope(event.message.headers, **scope):
-                await process(event, 0)
+            await guarded(event, 0)
             faults.point("stage_after_commit_before_offset")
 
     async def retry_agent(stream: faust.StreamT) -> None:
         async for event in stream.events():
-            not_before = int(_header(event, "retry_not_before_ms") or 0) / 1000
-            wait = not_before - time.time()
+            try:
+                not_before = int(_header(event, "retry_not_before_ms") or 0) / 1000
+                round_no = max(1, int(_header(event, "retry_count") or 1))
+            except ValueError:  # a forged retry header: the first round, now
+                not_before, round_no = 0.0, 1
+            wait = min(not_before - time.time(), s.retry_cap_s)
             if wait > 0:
                 await asyncio.sleep(wait)
-            with logs.message_scope(event.message.headers, **scope):
-                await process(event, int(_header(event, "retry_count") or 1))
+            await guarded(event, round_no)
 
     agent.__name__ = name
     retry_agent.__name__ = f"{name}_retry"

@@ -710,3 +710,58 @@ SELECT count(*) AS n FROM pg_locks
  WHERE locktype = 'advisory' AND granted AND database = (
      SELECT oid FROM pg_database WHERE datname = current_database())
    AND objsubid = 1 AND ((classid::bigint << 32) | objid::bigint) = %s;
+
+-- ---------------------------------------------------------------- dead-letter store (0008)
+
+-- name: dead_letter_insert
+-- Keep a dead letter in Postgres (its DLQ produce failed, or the relay cannot deliver it).
+-- A redelivered message (same group and position, or same outbox row) keeps its first row.
+INSERT INTO dead_letter (source, consumer_group, topic, consumed_topic, kafka_partition,
+                         kafka_offset, outbox_id, job_id, kafka_key, value, header_names, header_values,
+                         reason_code, reason, dlq_error)
+VALUES (%(source)s, %(consumer_group)s, %(topic)s, %(consumed_topic)s, %(partition)s, %(offset)s, %(outbox_id)s,
+        %(job_id)s, %(key)s, %(value)s, %(header_names)s, %(header_values)s, %(reason_code)s,
+        %(reason)s, %(dlq_error)s)
+ON CONFLICT DO NOTHING
+RETURNING id;
+
+-- name: dead_letter_find
+-- The row an earlier delivery of the same message wrote.
+SELECT id FROM dead_letter
+ WHERE consumer_group = %s AND consumed_topic = %s AND kafka_partition = %s
+   AND kafka_offset = %s;
+
+-- name: dead_letter_find_outbox
+SELECT id FROM dead_letter WHERE outbox_id = %s;
+
+-- name: dead_letter_list
+-- Dead letters kept in Postgres, oldest first: of some topics (full names), or (topics NULL)
+-- of every topic with the prefix.
+SELECT id, source, consumer_group, topic, consumed_topic, kafka_partition, kafka_offset,
+       outbox_id, job_id, kafka_key, value, header_names, header_values, reason_code, reason,
+       dlq_error, created_at, replayed_at, replayed_partition, replayed_offset
+  FROM dead_letter
+ WHERE CASE WHEN %(topics)s::text[] IS NULL THEN starts_with(topic, %(prefix)s)
+            ELSE topic = ANY(%(topics)s::text[]) END
+ ORDER BY id LIMIT %(limit)s;
+
+-- name: dead_letter_mark_replayed
+-- Written after the broker acknowledged the re-produced copy.
+UPDATE dead_letter SET replayed_at = now(), replayed_partition = %s, replayed_offset = %s
+ WHERE id = %s AND replayed_at IS NULL;
+
+-- name: outbox_park
+-- The relay moves an undeliverable row to dead_letter (same transaction): it is never fetched
+-- again.
+DELETE FROM outbox WHERE id = %s AND published_at IS NULL RETURNING id;
+
+-- name: fail_open_stages
+-- A job whose event could not be delivered: its open stages end failed.
+UPDATE job_stage SET status = 'failed', error_code = %s, error = %s, lease_until = NULL,
+                     finished_at = now(), updated_at = now()
+ WHERE job_id = %s AND status IN ('pending', 'running');
+
+-- name: metrics_dead_letters
+-- Dead letters kept in Postgres and not replayed yet, per who stored them and why.
+SELECT source, reason_code, count(*) AS n FROM dead_letter
+ WHERE replayed_at IS NULL GROUP BY source, reason_code;

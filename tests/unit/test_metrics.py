@@ -108,3 +108,14 @@ def test_module_docstring_lists_every_exported_family() -> None:
     assert built, "no metric family found in the source"
     assert built - table == set(), "exported but not in the docstring table"
     assert table - built == set(), "in the docstring table but not exported"
+
+
+def test_dead_letters_stored_per_source_and_reason() -> None:
+    snap = {**SNAP, "dead_letters": [{"source": "relay", "reason_code": "undeliverable", "n": 2},
+                                     {"source": "consumer", "reason_code": "message_too_large",
+                                      "n": 1}]}
+    m = _samples(postgres_families(snap))
+    assert m[("jobstream_dead_letters_stored", (("reason_code", "undeliverable"),
+                                                ("source", "relay")))] == 2
+    assert m[("jobstream_dead_letters_stored", (("reason_code", "message_too_large"),
+                                                ("source", "consumer")))] == 1

@@ -1,6 +1,7 @@
 """OutboxRelay.publish_batch with a fake connection and producer (no services needed): rows
-go out as they are, non-string header values are stringified, and rows are marked only after
-every delivery succeeded."""
+go out as they are, non-string header values are stringified, and a row is marked only after
+its delivery succeeded. The relay's failure paths with a real broker are in
+tests/integration/test_relay_isolation.py."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from confluent_kafka import KafkaError
 
 from jobstream.db import QUERIES as Q
 from jobstream.settings import Settings
@@ -42,9 +44,10 @@ class FakeConn:
 
 
 class FakeProducer:
-    def __init__(self, fail: bool = False) -> None:
+    def __init__(self, fail: bool = False, fail_keys: tuple[str, ...] = ()) -> None:
         self.sent: list[dict[str, Any]] = []
         self.fail = fail
+        self.fail_keys = fail_keys
         self._cbs: list[Any] = []
 
     def produce(self, topic: str, *, value: bytes, key: str, headers: dict[str, str],
@@ -52,14 +55,15 @@ class FakeProducer:
         if any(not isinstance(v, str) for v in headers.values()):
             raise TypeError("expected header value to be None, binary, or unicode string")
         self.sent.append({"topic": topic, "value": value, "key": key, "headers": headers})
-        self._cbs.append(on_delivery)
+        self._cbs.append((key, on_delivery))
 
     def poll(self, _t: float) -> int:
         return 0
 
     def flush(self, _t: float) -> int:
-        for cb in self._cbs:
-            cb("broker said no" if self.fail else None, None)
+        for key, cb in self._cbs:
+            failed = self.fail or key in self.fail_keys
+            cb(KafkaError(KafkaError._MSG_TIMED_OUT) if failed else None, None)
         self._cbs.clear()
         return 0
 
@@ -88,3 +92,10 @@ def test_nothing_is_marked_when_a_delivery_failed() -> None:
     with pytest.raises(DeliveryFailed):
         _relay(producer).publish_batch(conn)  # type: ignore[arg-type]
     assert all(q != Q["outbox_mark_published"] for q, _ in conn.executed)
+
+
+def test_delivered_rows_are_marked_when_another_failed_retriably() -> None:
+    conn, producer = FakeConn(ROWS), FakeProducer(fail_keys=("k1",))
+    with pytest.raises(DeliveryFailed):
+        _relay(producer).publish_batch(conn)  # type: ignore[arg-type]
+    assert (Q["outbox_mark_published"], ([2],)) in conn.executed

@@ -1,0 +1,125 @@
+"""decode_event against hostile input: bounded before parsing, and for ANY bytes or JSON it
+returns an event or raises PoisonMessage (with a reason code), never anything else
+(property-based, hypothesis)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jobstream.errors import PoisonMessage
+from jobstream.kafka import CONSUMED_TOPICS
+from schemas.events import (
+    EVENT_TYPES,
+    DocumentRef,
+    DocumentUploaded,
+    DocumentUploadedPayload,
+    decode_event,
+    encode_event,
+    json_depth_exceeds,
+)
+
+CODES = {"empty", "message_too_large", "json_too_deep", "not_json", "schema_violation",
+         "unexpected_event_type"}
+
+
+def _good() -> dict[str, Any]:
+    ev = DocumentUploaded(tenant_id="t1", idempotency_key="k1", payload=DocumentUploadedPayload(
+        document=DocumentRef(filename="a.txt", sha256="0" * 64, size_bytes=1,
+                             content_b64="YQ==")))
+    return json.loads(encode_event(ev))
+
+
+def _check(raw: bytes | str | None, expected: Any = None, **bounds: int) -> None:
+    try:
+        ev = decode_event(raw, expected=expected, **bounds)
+    except PoisonMessage as exc:
+        assert exc.code in CODES, exc.code
+    else:
+        assert ev.event_type in EVENT_TYPES
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True)
+    | st.text(alphabet=st.characters(codec="utf-8"), max_size=40),
+    lambda inner: st.lists(inner, max_size=5)
+    | st.dictionaries(st.text(max_size=10), inner, max_size=5),
+    max_leaves=30)
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=2000), st.sampled_from([None, *CONSUMED_TOPICS]))
+def test_arbitrary_bytes_raise_only_poison(raw: bytes, expected: str | None) -> None:
+    _check(raw, expected if expected in EVENT_TYPES else None)
+
+
+@settings(max_examples=300)
+@given(json_values)
+def test_arbitrary_json_raises_only_poison(value: Any) -> None:
+    _check(json.dumps(value).encode(), "document.uploaded")
+
+
+@settings(max_examples=300)
+@given(st.sampled_from(["tenant_id", "idempotency_key", "request_id", "event_id",
+                        "schema_version", "event_type", "occurred_at", "payload"]),
+       json_values)
+def test_any_envelope_field_replaced_raises_only_poison(field: str, value: Any) -> None:
+    doc = _good()
+    doc[field] = value
+    _check(json.dumps(doc).encode(), "document.uploaded")
+
+
+@settings(max_examples=200)
+@given(st.sampled_from(["filename", "sha256", "content_b64", "uri", "content_type",
+                        "size_bytes"]),
+       st.text(alphabet=st.characters(codec="utf-8"), max_size=30) | json_values)
+def test_any_document_field_replaced_raises_only_poison(field: str, value: Any) -> None:
+    doc = _good()
+    doc["payload"]["document"][field] = value
+    _check(json.dumps(doc).encode(), "document.uploaded")
+
+
+@settings(max_examples=200)
+@given(st.integers(min_value=1, max_value=300), st.sampled_from(["[", "{\"a\":"]))
+def test_nesting_is_refused_before_the_parser(depth: int, opener: str) -> None:
+    closer = "]" if opener == "[" else "}"
+    raw = (opener * depth + "1" + closer * depth).encode()
+    if depth > 16:
+        with pytest.raises(PoisonMessage) as exc:
+            decode_event(raw, max_depth=16)
+        assert exc.value.code == "json_too_deep"
+    else:
+        _check(raw, max_depth=16)
+
+
+def test_issue_row_1_the_50000_deep_value_is_json_too_deep() -> None:
+    raw = b'{"a":' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+    with pytest.raises(PoisonMessage) as exc:
+        decode_event(raw, expected="document.uploaded")
+    assert exc.value.code == "json_too_deep"
+
+
+def test_brackets_inside_strings_are_not_nesting() -> None:
+    doc = _good()
+    doc["request_id"] = "[" * 150  # text, not structure
+    assert not json_depth_exceeds(json.dumps(doc).encode(), 8)
+    assert decode_event(json.dumps(doc).encode()).request_id == "[" * 150
+
+
+def test_size_is_checked_before_parsing() -> None:
+    raw = json.dumps({"junk": "x" * 5000}).encode()
+    with pytest.raises(PoisonMessage) as exc:
+        decode_event(raw, max_bytes=4096)
+    assert exc.value.code == "message_too_large"
+
+
+@pytest.mark.parametrize("raw", [b"1" * 5000, b"\xff\xfe[", b"\x00", "\ud800".encode(
+    "utf-8", "surrogatepass"), b'{"event_id": "' + str(uuid.uuid4()).encode() + b'"', None, b""])
+def test_odd_values_are_poison(raw: bytes | None) -> None:
+    with pytest.raises(PoisonMessage):
+        decode_event(raw, expected="job.ready")

@@ -89,13 +89,78 @@ def topics() -> None:
 
 
 @main.command()
-def relay() -> None:
+@click.option("--housekeeping-only", is_flag=True,
+              help="Only the stuck-stage sweeper and retention, no publishing (beside the "
+                   "Debezium relay).")
+def relay(housekeeping_only: bool) -> None:
     """Run the outbox relay (one active, others stand by) until SIGTERM."""
     from jobstream import health, outage
     from outbox_relay.relay import main as relay_main
     health.setup("relay", get_settings())  # its loop reports every poll (active or standby)
     outage.install(get_settings().kafka_bootstrap_servers)
-    sys.exit(relay_main(get_settings()))
+    sys.exit(relay_main(get_settings(), housekeeping_only=housekeeping_only))
+
+
+@main.group("connect")
+def connect_group() -> None:
+    """The Debezium relay on Kafka Connect (JOBSTREAM_RELAY=debezium): deploy, status, delete."""
+
+
+@connect_group.command("deploy")
+@click.option("--timeout", "timeout_s", default=120.0, show_default=True,
+              help="Seconds to wait for the connector task and its slot.")
+def connect_deploy(timeout_s: float) -> None:
+    """Register the outbox connector (jobstream/debezium/outbox-connector.json, rendered from
+    the settings) and switch the outbox to it."""
+    from jobstream import connect
+    try:
+        st = connect.deploy(get_settings(), timeout_s=timeout_s)
+    except (connect.ConnectError, RuntimeError) as exc:
+        raise click.ClickException(str(exc)) from None
+    _print_connect_status(st)
+
+
+@connect_group.command("status")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def connect_status(as_json: bool) -> None:
+    """Connector and task state, and the replication slot's retained WAL. Exit 3 unless the
+    connector and all its tasks are RUNNING."""
+    import json as _json
+
+    from jobstream import connect
+    st = connect.status(get_settings())
+    if as_json:
+        click.echo(_json.dumps(st, default=str))
+    else:
+        _print_connect_status(st)
+    running = st["state"] == "RUNNING" and st["tasks"] and all(
+        t["state"] == "RUNNING" for t in st["tasks"])
+    sys.exit(0 if running else 3)
+
+
+@connect_group.command("delete")
+def connect_delete() -> None:
+    """Unregister the connector, drop its slot and publication (the Python relay may run)."""
+    from jobstream import connect
+    try:
+        for line in connect.delete(get_settings()):
+            click.echo(line)
+    except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _print_connect_status(st: dict) -> None:  # type: ignore[type-arg]
+    click.echo(f"connector {st['connector']}: {st['state']}"
+               + (f" ({st['connect_error']})" if st.get("connect_error") else ""))
+    for t in st["tasks"]:
+        click.echo(f"  task {t['id']}: {t['state']} on {t['worker_id']}")
+        if t.get("trace"):
+            click.echo("    " + t["trace"].splitlines()[0])
+    if not st["slots"]:
+        click.echo(f"replication slot {st['slot']}: none")
+    for s in st["slots"]:
+        click.echo(f"replication slot {s['slot']}: {'active' if s['active'] else 'INACTIVE'}, "
+                   f"retains {s['retained_bytes']} bytes of WAL ({s['wal_status']})")
 
 
 @main.command()

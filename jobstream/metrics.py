@@ -35,6 +35,8 @@ provider_latency_seconds{model_profile,lane} gauge histogram  provider attempts'
                                                        window
 outbox_backlog                               gauge     unpublished outbox rows
 outbox_oldest_age_seconds                    gauge     age of the oldest unpublished row
+replication_slot_retained_bytes{slot}        gauge     WAL held back by a logical slot (bytes)
+replication_slot_active{slot}                gauge     1 when the slot is being streamed
 dead_letters_stored{source,reason_code}      gauge     dead_letter rows not replayed (a DLQ
                                                        that refused them, relay-parked rows)
 consumer_lag_messages{group,topic}           gauge     high watermark - committed offset
@@ -202,12 +204,22 @@ def postgres_families(snap: dict[str, list[dict[str, Any]]]) -> list[Metric]:
         ceiling.add_metric([r["profile"]], float(r["max_limit"]))
         holding.add_metric([r["profile"]], int(r["in_flight"]))
         halved.add_metric([r["profile"]], int(r["decreases"]))
+    retained = GaugeMetricFamily(f"{NS}_replication_slot_retained_bytes", "WAL a logical "
+                                 "replication slot of this database holds back: current LSN - "
+                                 "restart_lsn (bytes). Grows while the Debezium relay is down.",
+                                 labels=["slot"])
+    slot_active = GaugeMetricFamily(f"{NS}_replication_slot_active", "1 when a walsender "
+                                    "(the Debezium connector) streams from the slot.",
+                                    labels=["slot"])
+    for r in snap.get("replication_slots", []):
+        retained.add_metric([r["slot"]], int(r["retained_bytes"]))
+        slot_active.add_metric([r["slot"]], 1 if r["active"] else 0)
     stored = GaugeMetricFamily(f"{NS}_dead_letters_stored", "Dead letters kept in the Postgres "
                                "dead_letter table and not replayed (source: consumer or relay).",
                                labels=["source", "reason_code"])
     for r in snap.get("dead_letters", []):
         stored.add_metric([r["source"], r["reason_code"]], int(r["n"]))
-    return [window, ceiling, holding, halved, stored,
+    return [window, ceiling, holding, halved, retained, slot_active, stored,
             created, accepted, by_status, runs, retries, rate, takeovers, expired, attempts,
             in_flight, unknown, limited, cost, per_job, backlog, age,
             _histogram(f"{NS}_queue_wait_seconds", "Queue wait of stages finished in the "

@@ -750,7 +750,8 @@ class Store:
 
         Returns rows per key: ``jobs`` (lane, status, n), ``stage_runs`` (stage, runs,
         retries, lease_takeovers, expired_now), ``provider_attempts`` (outcome,
-        model_profile, n, cost_usd), ``outbox`` (n, oldest_s), ``provider_limit`` (profile,
+        model_profile, n, cost_usd), ``outbox`` (n, oldest_s), ``replication_slots`` (slot,
+        active, wal_status, retained_bytes, unconfirmed_bytes), ``provider_limit`` (profile,
         limit_now, max_limit, interactive_reserved, decreases, in_flight), ``dead_letters``
         (source, reason_code, n: dead_letter rows not replayed), and
         ``stage_durations`` /
@@ -769,6 +770,7 @@ class Store:
                 "stage_runs": list(conn.execute(Q["metrics_stage_runs"])),
                 "provider_attempts": list(conn.execute(Q["metrics_provider_attempts"])),
                 "outbox": list(conn.execute(Q["outbox_backlog"])),
+                "replication_slots": list(conn.execute(Q["replication_slots"])),
                 "provider_limit": list(conn.execute(Q["limit_state"])),
                 "dead_letters": list(conn.execute(Q["metrics_dead_letters"])),
                 "stage_durations": list(conn.execute(Q["metrics_stage_durations"], window)),

@@ -874,6 +874,63 @@ SELECT a.job_id, a.chunk_idx, count(*) AS n, sum(a.cost_usd) AS cost_usd,
 -- Readiness: can this process get a connection and run a statement?
 SELECT 1 AS ok;
 
+-- ---------------------------------------------------------------- debezium relay (0013)
+
+-- name: debezium_triggers
+-- Which of the outbox's Debezium triggers are enabled (tgenabled 'D' = disabled).
+SELECT tgname AS name, tgenabled <> 'D' AS enabled FROM pg_trigger
+ WHERE tgrelid = 'outbox'::regclass AND tgname IN ('outbox_headers_v1', 'outbox_forget_v1');
+
+-- name: debezium_enable_headers
+ALTER TABLE outbox ENABLE TRIGGER outbox_headers_v1;
+
+-- name: debezium_enable_forget
+ALTER TABLE outbox ENABLE TRIGGER outbox_forget_v1;
+
+-- name: debezium_disable_triggers
+ALTER TABLE outbox DISABLE TRIGGER outbox_forget_v1, DISABLE TRIGGER outbox_headers_v1;
+
+-- name: debezium_publication_exists
+SELECT 1 FROM pg_publication WHERE pubname = %s;
+
+-- name: debezium_publication_tables
+-- The tables a publication carries (must be exactly the outbox).
+SELECT schemaname || '.' || tablename AS t FROM pg_publication_tables WHERE pubname = %s;
+
+-- name: debezium_handover
+-- Rows the Python relay left unpublished are re-inserted (same id order, same bytes), so the
+-- connector streams them: logical decoding only sees rows inserted after the slot existed.
+-- The triggers fill their header columns and delete them again in this transaction.
+WITH moved AS (
+    DELETE FROM outbox WHERE published_at IS NULL
+    RETURNING id, topic, kafka_key, payload, headers, event_id, event_type, created_at)
+INSERT INTO outbox (topic, kafka_key, payload, headers, event_id, event_type, created_at)
+SELECT topic, kafka_key, payload, headers, event_id, event_type, created_at
+  FROM moved ORDER BY id;
+
+-- name: replication_slots
+-- Logical replication slots of this database: whether a walsender uses them, and the WAL
+-- they hold back (bytes between the server's current LSN and what the consumer confirmed).
+SELECT slot_name AS slot, active, wal_status,
+       coalesce(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn), 0)::bigint
+           AS retained_bytes,
+       coalesce(pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn), 0)::bigint
+           AS unconfirmed_bytes
+  FROM pg_replication_slots
+ WHERE database = current_database() AND slot_type = 'logical'
+ ORDER BY slot_name;
+
+-- name: replication_slot_drop
+SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots
+ WHERE slot_name = %s AND NOT active;
+
+-- name: relay_lock_holders
+-- Sessions holding the active-relay advisory lock (a running Python relay).
+SELECT count(*) AS n FROM pg_locks
+ WHERE locktype = 'advisory' AND granted AND database = (
+     SELECT oid FROM pg_database WHERE datname = current_database())
+   AND objsubid = 1 AND ((classid::bigint << 32) | objid::bigint) = %s;
+
 -- ---------------------------------------------------------------- dead-letter store (0008)
 
 -- name: dead_letter_insert

@@ -216,7 +216,7 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
             try:
                 not_before = int(_header(event, "retry_not_before_ms") or 0) / 1000
                 round_no = max(1, int(_header(event, "retry_count") or 1))
-            except ValueError:  # a forged retry header: the first round, now
+            except (ValueError, OverflowError):  # forged (e.g. 400 digits): first round, now
                 not_before, round_no = 0.0, 1
             wait = min(not_before - time.time(), s.retry_cap_s)
             if wait > 0:

@@ -44,7 +44,7 @@ from jobstream.db import QUERIES as Q
 from jobstream.db import connect
 from jobstream.deadletter import HANDLER_ERROR, DeadLetterSink, FailureCounter, classify, describe
 from jobstream.errors import PoisonMessage, RetryableError
-from jobstream.kafka import consumer_config
+from jobstream.kafka import HEADERS_UNREADABLE, consumer_config, read_headers
 from jobstream.settings import Settings
 from schemas.events import decode_event
 
@@ -107,12 +107,10 @@ class IdempotentConsumer:
         pos = (msg.topic(), msg.partition(), msg.offset())
         got = self._headers.get(pos)
         if got is None:
-            try:
-                got = list(msg.headers() or [])
-            except Exception as exc:  # SystemError/UnicodeDecodeError from the C extension
-                log.warning("headers of %s[%s]@%s unreadable (%s); processing without them",
-                            *pos, describe(exc))
-                got = [("headers_unreadable", describe(exc).encode())]
+            got = read_headers(msg)
+            if got and got[0][0] == HEADERS_UNREADABLE:
+                log.warning("headers of %s[%s]@%s unreadable (%r); processing without them",
+                            *pos, got[0][1])
             if len(self._headers) > 10 * self.max_batch + 100:
                 self._headers.clear()
             self._headers[pos] = got

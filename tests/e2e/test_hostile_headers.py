@@ -110,7 +110,11 @@ def test_hostile_headers_on_every_consumed_topic(settings: Settings,
     started = procs.pipeline(JOBSTREAM_DLQ_PRODUCE_TIMEOUT_S="5")
     bad = _bad_messages(settings)
     good = _good_doc()
-    _produce_raw(settings, bad + [{
+    # Written straight to a DLQ: `jobstream dlq list` must read it, not crash.
+    direct = {"topic": settings.topic("job.ready.dlq"), "key": b"direct-on-dlq",
+              "value": b"x", "headers": [(b"\xff-direct", b"v"),
+                                         (b"dlq_reason_code", b"not_json")]}
+    _produce_raw(settings, [*bad, direct, {
         "topic": settings.topic("document.uploaded"), "key": good.idempotency_key.encode(),
         "value": encode_event(good), "headers": []}])
     url = settings.database_url
@@ -130,7 +134,8 @@ def test_hostile_headers_on_every_consumed_topic(settings: Settings,
         assert out.returncode == 0, out.stderr[-3000:]
         listed = json.loads(out.stdout)
         return wanted <= {(r.get("headers") or {}).get("corpus") for r in listed} and any(
-            "headers_unreadable" in (r.get("headers") or {}) for r in listed)
+            "headers_unreadable" in (r.get("headers") or {}) for r in listed) and any(
+            r.get("key") == "direct-on-dlq" for r in listed)
 
     wait_for(all_listed, 120, "every message with hostile headers dead-lettered",
              lambda: str(sorted(wanted - {(r.get("headers") or {}).get("corpus")

@@ -49,16 +49,17 @@ IN_PLACE_BASE_S = 0.5
 IN_PLACE_CAP_S = 5.0
 
 
-def _items(headers: Any) -> list[tuple[str, bytes]]:
-    """faust message headers (a dict or a list of pairs) as ``(name, bytes)`` pairs."""
+def _items(headers: Any) -> list[tuple[str, bytes | None]]:
+    """faust message headers (a dict or a list of pairs) as ``(name, bytes)`` pairs; a null
+    value stays ``None`` (a dead letter or retry copy keeps it null, not ``b"None"``)."""
     items = (headers or {}).items() if isinstance(headers, dict | None) else headers
-    return [(k, v if isinstance(v, bytes) else str(v).encode()) for k, v in items]
+    return [(k, v if v is None or isinstance(v, bytes) else str(v).encode()) for k, v in items]
 
 
 def _header(event: faust.EventT, name: str) -> str | None:
     for k, v in _items(event.message.headers):
         if k == name:
-            return v.decode() if isinstance(v, bytes) else str(v)
+            return None if v is None else v.decode("utf-8", "replace")
     return None
 
 

@@ -83,7 +83,8 @@ def _bad_messages(settings: Settings) -> list[dict[str, Any]]:
                                   (b"retry_count", b"1")],
         "retry_count_huge": [(b"retry_count", b"9" * 400)],
         "dup_null_binary": [(b"traceparent", bytes(range(256))), (b"traceparent", None),
-                            (b"job_id", b"\x00\xff"), (b"job_id", b"x"), (b"", b"")],
+                            (b"job_id", b"\x00\xff"), (b"job_id", b"x"), (b"", b""),
+                            (b"nullvalue", None)],
         "large_header": [(b"big", b"h" * 300_000)],
     }
     out = []
@@ -94,6 +95,10 @@ def _bad_messages(settings: Settings) -> list[dict[str, Any]]:
                         "value": b"not json at all",
                         "headers": [*headers, (b"corpus", label.encode())]})
     return out
+
+
+def topics_of(msgs: list[dict[str, Any]]) -> set[str]:
+    return {m["topic"] for m in msgs}
 
 
 def _good_doc() -> DocumentUploaded:
@@ -141,6 +146,11 @@ def test_hostile_headers_on_every_consumed_topic(settings: Settings,
              lambda: str(sorted(wanted - {(r.get("headers") or {}).get("corpus")
                                           for r in listed}))[:3000] + procs.logs(),
              every_s=3.0)
+    # A null header value stays null in the dead letter (it was written as b"None").
+    nulls = [(r.get("headers") or {}) for r in listed
+             if str((r.get("headers") or {}).get("corpus")).endswith("|dup_null_binary")]
+    assert len(nulls) >= len(topics_of(bad)) and all(
+        "nullvalue" in h and h["nullvalue"] is None for h in nulls), nulls[:3]
     streams = settings.group("jobstream-streams")
     topics = [settings.topic(t) for t in STAGE_TOPICS] + [
         settings.topic(t + ".retry") for t in STAGE_TOPICS]

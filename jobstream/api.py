@@ -341,7 +341,8 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
             return JSONResponse({"code": "malformed_json",
                                  "message": "the request body is not valid JSON"},
                                 status_code=400)
-        if any(e.get("loc", ())[:2] == ("header", "Idempotency-Key") for e in errors):
+        if any(e.get("loc", ())[:2] == ("header", "Idempotency-Key")
+               and e.get("type") == "missing" for e in errors):  # too long: invalid_request
             return JSONResponse({"code": "missing_idempotency_key",
                                  "message": "the Idempotency-Key header is required (one key "
                                             "per client intent)"}, status_code=400)

@@ -314,3 +314,14 @@ def test_concurrent_batches_sharing_documents_in_another_order_all_succeed(
                  "(SELECT count(*) FROM job) AS jobs, "
                  "(SELECT count(*) FROM batch_job) AS members")
     assert rows == [{"batches": 6, "jobs": 30, "members": 180}]
+
+
+def test_an_idempotency_key_over_its_length_is_invalid_not_missing(api: str) -> None:
+    # Found by the adversarial pass: a 100,000-character key was answered "the
+    # Idempotency-Key header is required" (missing_idempotency_key).
+    body = {"filename": "k.txt", "text": "a document with an over-long key"}
+    r = _post(api, "/v1/jobs", "k" * 201, body)
+    assert r.status_code == 422 and r.json()["code"] == "invalid_request", r.text
+    assert "Idempotency-Key" in r.json()["message"]
+    missing = httpx.post(f"{api}/v1/jobs", json=body, headers=ACME, timeout=30)
+    assert missing.status_code == 400 and missing.json()["code"] == "missing_idempotency_key"

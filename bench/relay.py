@@ -280,7 +280,7 @@ def raw_baseline(settings: Settings, source_topic: str, n: int) -> dict[str, Any
     return {"rows": n, "events_per_s": round(n / r["elapsed_s"]),
             "elapsed_s": round(r["elapsed_s"], 3),
             "producer_config": {k: v for k, v in producer_config(settings).items()
-                                if k != "bootstrap.servers"}}
+                                if k not in ("bootstrap.servers", "logger")}}
 
 
 def wait_relay_active(settings: Settings, topic: str, timeout_s: float = 60.0) -> None:

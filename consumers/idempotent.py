@@ -39,7 +39,7 @@ from typing import Any
 import psycopg
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message
 
-from jobstream import faults, logs
+from jobstream import faults, health, logs
 from jobstream.db import QUERIES as Q
 from jobstream.db import connect
 from jobstream.deadletter import HANDLER_ERROR, DeadLetterSink, FailureCounter, classify, describe
@@ -122,8 +122,21 @@ class IdempotentConsumer:
 
     def _db(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed:
-            self._conn = connect(self.settings.database_url)
+            try:
+                self._conn = connect(self.settings.database_url)
+            except psycopg.OperationalError as exc:
+                health.failed(exc)
+                raise
+            health.ok()
         return self._conn
+
+    def db_probe(self) -> None:
+        """Readiness probe of an idle consumer: fine while it holds an open connection (its
+        work reports failures); else it must be able to open one. Raises
+        ``psycopg.OperationalError``."""
+        conn = self._conn
+        if conn is None or conn.closed:
+            connect(self.settings.database_url).close()
 
     def _dead_letter(self, msg: Message, code: str, reason: str) -> None:
         """Make the dead letter durable (``<topic>.dlq``, else the dead_letter table). Raises
@@ -247,6 +260,9 @@ class IdempotentConsumer:
                 return True
             except Exception as exc:  # rolled back: decide, never skip silently
                 kind, code = classify(exc)
+                outage = isinstance(exc, psycopg.OperationalError)
+                if outage:
+                    health.failed(exc)  # one line per outage (jobstream.health), not per retry
                 if isinstance(exc, psycopg.OperationalError) and self._conn is not None:
                     self._conn.close()
                     self._conn = None
@@ -266,8 +282,9 @@ class IdempotentConsumer:
                     action = "retry"
                 else:
                     action = "retry (transient)"
-                log.warning("processing failed %s[%d]@%d (%s: %s); next: %s in %.1fs",
-                            *position, code, describe(exc), action, backoff)
+                (log.debug if outage else log.warning)(
+                    "processing failed %s[%d]@%d (%s: %s); next: %s in %.1fs",
+                    *position, code, describe(exc), action, backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
         return False
@@ -314,7 +331,8 @@ class IdempotentConsumer:
             try:
                 self.process_batch(msgs)
             except psycopg.OperationalError as exc:
-                log.warning("batch failed (%s); retrying", exc)
+                health.failed(exc)
+                log.debug("batch failed (%s); retrying", exc)
                 if self._conn is not None:
                     self._conn.close()
                     self._conn = None

@@ -35,6 +35,12 @@ def main(log_level: str) -> None:
     Configuration comes from JOBSTREAM_* environment variables (also DATABASE_URL and
     KAFKA_BOOTSTRAP_SERVERS); `jobstream config` shows the values in force.
     """
+    from pydantic import ValidationError
+    try:  # every process checks its settings at start (e.g. lease vs heartbeat): a clear error
+        get_settings()
+    except ValidationError as exc:
+        raise click.ClickException("invalid settings: " + "; ".join(
+            str(e["msg"]) for e in exc.errors())) from None
     _logging(log_level)
 
 
@@ -85,7 +91,10 @@ def topics() -> None:
 @main.command()
 def relay() -> None:
     """Run the outbox relay (one active, others stand by) until SIGTERM."""
+    from jobstream import health, outage
     from outbox_relay.relay import main as relay_main
+    health.setup("relay", get_settings())  # its loop reports every poll (active or standby)
+    outage.install(get_settings().kafka_bootstrap_servers)
     sys.exit(relay_main(get_settings()))
 
 
@@ -107,6 +116,9 @@ def worker(lane: str, stages: str | None) -> None:
         app, ctx = create_app(get_settings(), chosen, lane=lane)
     except KeyError as exc:
         raise click.UsageError(str(exc)) from None
+    from jobstream import health, outage
+    health.setup("worker", get_settings(), probe=ctx.store.probe)
+    outage.install(get_settings().kafka_bootstrap_servers)
     level = logging.getLevelName(logging.getLogger().level).lower()
     worker_ = Worker(app, loglevel=level, quiet=True,
                      logging_config=faust_logging_config(level, get_settings().log_format))
@@ -144,7 +156,11 @@ def consume_ready() -> None:
     """Run the example downstream consumer that applies job.ready exactly once."""
     from consumers.idempotent import run_forever
     from consumers.ready_applier import build
-    sys.exit(run_forever(build(get_settings())))
+    from jobstream import health, outage
+    consumer = build(get_settings())
+    outage.install(get_settings().kafka_bootstrap_servers)
+    health.setup("consume-ready", get_settings(), probe=consumer.db_probe)
+    sys.exit(run_forever(consumer))
 
 
 @main.command()
@@ -227,30 +243,61 @@ def _api_errors(fn):  # type: ignore[no-untyped-def]
 
 
 def _follow(client, ids: list[str], what: str) -> list[dict]:  # type: ignore[no-untyped-def]
-    """Poll jobs until terminal with a progress bar of stages done; returns the final views."""
+    """Poll jobs until each has ended or waits for a person, with a progress bar of jobs
+    finished (a failed job is finished too: the bar never stops short); returns the final
+    views."""
     import time
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
     with Progress("{task.description}", BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn()) as bar:
-        task = bar.add_task(what, total=6 * len(ids))
+        task = bar.add_task(what, total=len(ids))
         while True:
             views = [client.job(i) for i in ids]
-            bar.update(task, completed=sum(v["stages_done"] for v in views))
+            bar.update(task, completed=sum(v["status"] in _TERMINAL for v in views))
             if all(v["status"] in _TERMINAL for v in views):
                 return views
             time.sleep(0.5)
 
 
 def _print_jobs(views: list[dict]) -> None:  # type: ignore[type-arg]
+    """One row per job: status, the stage it is at (for a failed job: the stage that failed),
+    the error code."""
     t = Table()
-    for c in ("job id", "document", "status", "stages", "provider calls", "cost USD", "error"):
+    for c in ("job id", "document", "status", "stage", "stages", "provider calls", "cost USD",
+              "error"):
         t.add_column(c)
     for v in views:
-        t.add_row(v["job_id"], v["filename"], v["status"], f"{v['stages_done']}/6",
-                  str(len(v["provider_attempts"])), f"{v['cost_so_far_usd']:.6f}",
-                  v["error_code"] or "")
+        t.add_row(v["job_id"], v["filename"], v["status"], v["current_stage"],
+                  f"{v['stages_done']}/6", str(len(v["provider_attempts"])),
+                  f"{v['cost_so_far_usd']:.6f}", v["error_code"] or "")
     Console().print(t)
+
+
+def _summary(views: list[dict]) -> int:  # type: ignore[type-arg]
+    """Print the summary table of finished jobs (succeeded / failed with their stages and error
+    codes / cancelled / waiting for an operator); returns the exit code: 1 when a job failed
+    or waits for reconciliation, else 0 (a cancelled job is what its owner asked for)."""
+    from collections import Counter
+    by: dict[str, list[dict]] = {}  # type: ignore[type-arg]
+    for v in views:
+        by.setdefault(v["status"], []).append(v)
+
+    def codes(vs: list[dict]) -> str:  # type: ignore[type-arg]
+        c = Counter(f"{v['error_code'] or '?'} at {v['current_stage']}" for v in vs)
+        return ", ".join(f"{k} ×{n}" if n > 1 else k for k, n in sorted(c.items()))
+    t = Table(title=f"{len(views)} jobs")
+    t.add_column("result")
+    t.add_column("jobs", justify="right")
+    t.add_column("error codes (at stage)")
+    t.add_row("succeeded", str(len(by.get("succeeded", []))), "")
+    t.add_row("failed", str(len(by.get("failed", []))), codes(by.get("failed", [])))
+    t.add_row("cancelled", str(len(by.get("cancelled", []))), "")
+    if by.get("needs_reconciliation"):
+        t.add_row("needs reconciliation (jobstream reconcile)",
+                  str(len(by["needs_reconciliation"])), codes(by["needs_reconciliation"]))
+    Console().print(t)
+    return 1 if by.get("failed") or by.get("needs_reconciliation") else 0
 
 
 @main.command()
@@ -270,7 +317,12 @@ def _print_jobs(views: list[dict]) -> None:  # type: ignore[type-arg]
 def submit(files: tuple[Path, ...], api_url: str, token: str, idempotency_key: str | None,
            lane: str, prompt_version: str | None, model_profile: str | None,
            wait: bool) -> None:
-    """Create one job per FILE through the HTTP API (and follow them)."""
+    """Create one job per FILE through the HTTP API (and follow them).
+
+    With --wait (the default) the bar counts jobs that ended; a table per job and a summary
+    (succeeded / failed with error codes / cancelled) follow. Exit code 1 when a job failed or
+    waits for reconciliation.
+    """
     import hashlib
 
     from jobstream.client import document_body
@@ -287,7 +339,9 @@ def submit(files: tuple[Path, ...], api_url: str, token: str, idempotency_key: s
         ids.append(r["job_id"])
         click.echo(f"{f.name}: job {r['job_id']} ({r['status']})")
     if wait:
-        _print_jobs(_follow(client, ids, "stages done"))
+        views = _follow(client, ids, "jobs finished")
+        _print_jobs(views)
+        sys.exit(_summary(views))
 
 
 @main.command()
@@ -301,13 +355,15 @@ def status(job_id: str, api_url: str, token: str, follow: bool, as_json: bool) -
     """Show a job through the API: status, stages, provider attempts, cost, result."""
     import json as _json
     client = _client(api_url, token)
-    v = _follow(client, [job_id], "stages done")[0] if follow else client.job(job_id)
+    v = _follow(client, [job_id], "jobs finished")[0] if follow else client.job(job_id)
     if as_json:
         click.echo(_json.dumps(v, indent=2))
     else:
         _print_jobs([v])
         if v.get("result"):
             click.echo(f"title: {v['result']['title']}\nsummary: {v['result']['summary']}")
+        elif v["status"] == "failed":
+            click.echo(f"failed at stage {v['current_stage']}: {v['error_code']}: {v['error']}")
 
 
 @main.command()
@@ -318,7 +374,9 @@ def status(job_id: str, api_url: str, token: str, follow: bool, as_json: bool) -
 def cancel(job_id: str, api_url: str, token: str) -> None:
     """Cancel a job through the API (it stops before its next provider call)."""
     r = _client(api_url, token).cancel(job_id)
-    if r["status"] in ("succeeded", "failed", "cancelled"):
+    if r.get("message"):
+        click.echo(f"job {r['job_id']}: {r['message']} (now {r['status']})")
+    elif r["status"] in ("succeeded", "failed", "cancelled"):
         click.echo(f"job {r['job_id']} had already ended ({r['status']}): nothing to cancel")
     else:
         click.echo(f"job {r['job_id']}: cancel requested (now {r['status']}; it stops before "
@@ -338,7 +396,12 @@ def cancel(job_id: str, api_url: str, token: str) -> None:
 @_api_errors
 def batch(files: tuple[Path, ...], api_url: str, token: str, idempotency_key: str | None,
           lane: str, status_id: str | None, cancel_id: str | None, wait: bool) -> None:
-    """Create a batch of up to 1000 FILES through the API (or --status / --cancel one)."""
+    """Create a batch of up to 1000 FILES through the API (or --status / --cancel one).
+
+    With --wait the bar counts jobs that ended (failed ones too), then a summary table
+    (succeeded / failed with error codes / cancelled) follows; exit code 1 when a job failed or
+    waits for reconciliation.
+    """
     import hashlib
     import time
 
@@ -364,15 +427,18 @@ def batch(files: tuple[Path, ...], api_url: str, token: str, idempotency_key: st
                 task = bar.add_task("jobs finished", total=b["jobs"])
                 while True:
                     b = client.batch(b["batch_id"])
-                    done = b["succeeded"] + b["failed"] + b["cancelled"]
+                    done = (b["succeeded"] + b["failed"] + b["cancelled"]
+                            + b["needs_reconciliation"])
                     bar.update(task, completed=done)
-                    if done + b["needs_reconciliation"] >= b["jobs"]:
+                    if done >= b["jobs"]:
                         break
                     time.sleep(0.5)
     counts = {k: b[k] for k in ("queued", "running", "succeeded", "failed", "cancelled",
                                 "needs_reconciliation")}
     click.echo(f"batch {b['batch_id']}: " + ", ".join(f"{k} {v}" for k, v in counts.items())
                + f"; cost so far {b['cost_so_far_usd']:.6f} USD")
+    if wait and not (cancel_id or status_id):
+        sys.exit(_summary([client.job(i) for i in b["job_ids"]]))
 
 
 def _ctx():  # type: ignore[no-untyped-def]
@@ -432,6 +498,41 @@ def reconcile(job_id, resolution: str | None) -> None:  # type: ignore[no-untype
         click.echo(do_reconcile(ctx, job_id, resolution))
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON object instead of text.")
+@click.option("--check", "checks", multiple=True,
+              help="Run only this check (repeatable; default: every registered check).")
+@click.option("--skip", multiple=True, help="Skip this check (repeatable).")
+@click.option("--tenant", default=None, help="Only this tenant's jobs.")
+@click.option("--grace", "grace_s", type=float, default=None,
+              help="Seconds without progress before a job/stage counts as stuck "
+                   "(default JOBSTREAM_VERIFY_GRACE_S).")
+@click.option("--outbox-age", "outbox_age_s", type=float, default=None,
+              help="Oldest tolerated unpublished outbox row, seconds "
+                   "(default JOBSTREAM_VERIFY_OUTBOX_AGE_S).")
+@click.option("--max-lag", type=int, default=None,
+              help="Most messages a consumer group may be behind (default "
+                   "JOBSTREAM_VERIFY_MAX_LAG).")
+def verify(as_json: bool, checks: tuple[str, ...], skip: tuple[str, ...], tenant: str | None,
+           grace_s: float | None, outbox_age_s: float | None, max_lag: int | None) -> None:
+    """Audit the RUNNING system's guarantees (read-only, safe in production).
+
+    Reports every broken guarantee with its job ids: a dedup_key applied twice or a job never
+    applied downstream, stuck jobs, stranded stages, orphan attempts, old unpublished outbox
+    rows, chunks paid twice, consumer lag. Exit 1 when anything is broken, 2 when a check
+    could not run, 0 when clean.
+    """
+    from jobstream import verify as verify_mod
+    try:
+        report = verify_mod.run(get_settings(), checks=list(checks) or None, skip=skip,
+                                tenant=tenant, grace_s=grace_s, outbox_age_s=outbox_age_s,
+                                max_lag=max_lag)
+    except KeyError as exc:
+        raise click.UsageError(str(exc)) from None
+    click.echo(report.as_json() if as_json else report.text())
+    sys.exit(report.exit_code)
 
 
 @main.command()
@@ -611,16 +712,21 @@ def dlq_replay(topic: str, reason_codes: tuple[str, ...], limit: int | None, dry
 @click.option("--jobs", default=5, show_default=True, help="Documents submitted per point.")
 @click.option("--keep", is_flag=True, help="Keep every scratch database and topic, not only "
               "those of failed points.")
-def chaos(points: str | None, jobs: int, keep: bool) -> None:
+@click.option("--mode", type=click.Choice(["kill", "pause"]), default="kill", show_default=True,
+              help="kill: SIGKILL at the point, then restart. pause: SIGSTOP there for longer "
+                   "than the lease (a second worker and the sweeper take over), then SIGCONT.")
+def chaos(points: str | None, jobs: int, keep: bool, mode: str) -> None:
     """Crash matrix: per fault point, SIGKILL the owning process there, restart it, and check
-    the exactly-once invariants (Postgres, topics, the fake provider's call counts).
+    the exactly-once invariants (Postgres, topics, the fake provider's call counts). With
+    ``--mode pause`` the pause matrix: the process freezes there past its lease, resumes, and
+    its stale work must be discarded.
 
     Each point runs in a scratch database and topic prefix on the configured servers, with a
     fake OpenAI-compatible provider on loopback. Exits 0 only when every point passed.
     """
     from jobstream import chaos as chaos_mod
     faults = [p.strip() for p in points.split(",") if p.strip()] if points else list(
-        chaos_mod.DEFAULT_PLAN)
+        chaos_mod.PAUSE_PLAN if mode == "pause" else chaos_mod.DEFAULT_PLAN)
     try:
         for f in faults:
             chaos_mod.owner_of(f)
@@ -638,14 +744,15 @@ def chaos(points: str | None, jobs: int, keep: bool) -> None:
                       markup=False)
 
     results = chaos_mod.run_matrix(get_settings(), faults, jobs=jobs, workdir=root / "chaos",
-                                   keep=keep, on_result=show)
-    t = Table(title=f"crash matrix, {jobs} jobs per point")
+                                   keep=keep, on_result=show, mode=mode)
+    t = Table(title=f"{'pause' if mode == 'pause' else 'crash'} matrix, {jobs} jobs per point")
     for c in ("fault", "process", "killed", "seconds", "provider calls", "re-published",
               "retaken stages", "result"):
         t.add_column(c, no_wrap=c == "fault")
     for r in results:
         e = r.effects
-        t.add_row(r.fault, r.owner, str(r.killed_rc), f"{r.seconds:.0f}",
+        t.add_row(r.fault, r.owner, "paused" if r.paused else str(r.killed_rc),
+                  f"{r.seconds:.0f}",
                   str(e.get("provider_calls", "-")), str(e.get("republished", "-")),
                   str(e.get("retaken_stages", "-")), "PASS" if r.ok else "FAIL")
     console.print(t)

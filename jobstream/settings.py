@@ -124,6 +124,11 @@ class Settings(BaseSettings):
     )
     chunk_size_chars: int = Field(4000, ge=200, description="Target chunk size (characters).")
     lease_s: float = Field(120.0, gt=0, description="Stage lease length (seconds).")
+    lease_heartbeat_s: float | None = Field(
+        None, gt=0, description="While a provider call or a Retry-After wait is in progress "
+        "the run renews its lease this often (seconds); unset: lease_s / 4. Must stay below "
+        "lease_s / 3, so two missed heartbeats never lose the lease."
+    )
     document_roots: list[str] = Field(
         default_factory=list,
         description="Directories a document.uploaded may name with a file:// URI (JSON list). "
@@ -229,6 +234,63 @@ class Settings(BaseSettings):
                     "the prefixed jobstream-* groups and the downstream applier (JSON list).",
     )
 
+    db_pool_worker_max: int = Field(
+        8, ge=1, description="Connection budget: Postgres connections one stage worker's pool "
+                             "may open (stage transactions are short; extra callers wait)."
+    )
+    db_pool_api_max: int = Field(
+        8, ge=1, description="Connection budget: Postgres connections of the API's pool."
+    )
+    db_pool_relay_max: int = Field(
+        2, ge=1, description="Connection budget: the relay's pool for the sweeper and "
+                             "retention (besides its one connection holding the relay lock)."
+    )
+    db_pool_min_size: int = Field(
+        0, ge=0, description="Connections every pool keeps open even when idle."
+    )
+    db_pool_max_idle_s: float = Field(
+        30.0, gt=0, description="A pooled connection idle this long is closed (seconds), so "
+                                "an idle process gives its connections back."
+    )
+    db_pool_timeout_s: float = Field(
+        30.0, gt=0, description="Longest wait for a pooled connection before the operation "
+                                "fails as retryable (seconds)."
+    )
+    health_port: int = Field(
+        0, ge=0, le=65535, description="Serve GET /healthz (readiness) on this port in worker, "
+                                       "relay and consume-ready (0: off; the API uses its own).")
+    health_host: str = Field("127.0.0.1", description="Address of the /healthz endpoint.")
+    health_fail_after_s: float = Field(
+        10.0, gt=0, description="Readiness turns unhealthy after this long without a database "
+                                "connection (seconds)."
+    )
+    health_probe_interval_s: float = Field(
+        2.0, gt=0, description="An idle process probes the database this often (seconds)."
+    )
+
+    verify_grace_s: float = Field(
+        300.0, ge=0, description="jobstream verify: how long a job may make no progress, a "
+        "succeeded stage wait for its next stage, or a succeeded job wait for its downstream "
+        "before it counts as broken (seconds)."
+    )
+    verify_outbox_age_s: float = Field(
+        60.0, ge=0, description="jobstream verify: oldest tolerated unpublished outbox row "
+                                "(seconds)."
+    )
+    verify_max_lag: int = Field(
+        10_000, ge=0, description="jobstream verify: most messages a consumer group may be "
+                                  "behind."
+    )
+    verify_downstreams: list[str] = Field(
+        default_factory=lambda: ["ready-applier"],
+        description="jobstream verify: downstream plug-ins whose effects are checked (JSON "
+                    "list; jobstream.verify.DOWNSTREAMS).",
+    )
+    verify_interval_s: float = Field(
+        60.0, gt=0, description="/metrics runs jobstream verify at most this often for the "
+                                "jobstream_verify_* gauges (seconds)."
+    )
+
     api_tokens: dict[SecretStr, str] = Field(
         default_factory=dict,
         description="HTTP API bearer tokens -> tenant id (JSON object). The tenant always comes "
@@ -249,6 +311,27 @@ class Settings(BaseSettings):
     api_emit_uploaded: bool = Field(
         False, description="The API also writes document.uploaded to the outbox for others."
     )
+    sse_keepalive_s: float = Field(
+        15.0, gt=0, description="Server-Sent Events: a keep-alive comment after this many "
+                                "seconds without an event (seconds; proxies cut idle streams)."
+    )
+
+    @model_validator(mode="after")
+    def _lease_outlives_heartbeats(self) -> Settings:
+        """A lease must survive missed heartbeats: lease_s > 3 x lease_heartbeat_s."""
+        if self.lease_heartbeat_s is not None and self.lease_s <= 3 * self.lease_heartbeat_s:
+            raise ValueError(
+                f"JOBSTREAM_LEASE_S={self.lease_s:g} must exceed 3 x "
+                f"JOBSTREAM_LEASE_HEARTBEAT_S={self.lease_heartbeat_s:g} (a run renews its "
+                "lease every heartbeat; a lease shorter than three heartbeats expires under a "
+                "live run and the stage is taken over). Raise the lease or shorten the "
+                "heartbeat.")
+        return self
+
+    @property
+    def heartbeat_s(self) -> float:
+        """The lease heartbeat in force (seconds): ``lease_heartbeat_s`` or ``lease_s / 4``."""
+        return self.lease_heartbeat_s or self.lease_s / 4
 
     @model_validator(mode="after")
     def _limits_agree(self) -> Settings:

@@ -8,6 +8,7 @@ strings the database cannot store, e.g. NUL) becomes :class:`PoisonMessage` ``in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 from pydantic import BaseModel
 
-from jobstream import tracing
+from jobstream import health, tracing
 from jobstream.db import QUERIES as Q
 from jobstream.errors import IdempotencyConflict, PoisonMessage, RetryableError, StaleRun
 from schemas.events import encode_event
@@ -34,21 +35,32 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 
 @dataclass(frozen=True)
 class IntakeResult:
-    """``job_id`` of the intent; ``created`` is False when the job already existed."""
+    """``job_id`` of the intent; ``created`` is False when the job already existed. ``dedup``:
+    ``new`` (created), ``replayed`` (the same idempotency key again), ``reused`` (another key
+    for the same computation, which succeeded or is still running) or ``restarted`` (the same
+    computation had failed or was cancelled: a new run of its job started)."""
 
     job_id: uuid.UUID
     created: bool
+    dedup: str = "replayed"
 
 
 @dataclass(frozen=True)
 class Claim:
-    """A claimed stage run: the fencing token (``run_token``), attempt number and lease end."""
+    """A claimed stage run: the fencing token (``run_token``), attempt number and lease end.
+    The run's generation is ``job["generation"]`` (the job row read under the claim's lock):
+    every move of the run is fenced by run token AND generation."""
 
     job: dict[str, Any]
     stage: str
     run_token: uuid.UUID
     attempt: int
     lease_until: datetime
+
+    @property
+    def generation(self) -> int:
+        """The job generation this run belongs to (a redrive starts a new one)."""
+        return int(self.job["generation"])
 
 
 @dataclass(frozen=True)
@@ -103,11 +115,49 @@ def outbox_message(topic: str, event: BaseModel) -> OutboxMessage:
 class Store:
     """All DB operations, over a small connection pool (``max_size`` connections)."""
 
-    def __init__(self, url: str, *, max_size: int = 8) -> None:
+    def __init__(self, url: str, *, max_size: int = 8, min_size: int = 0,
+                 max_idle_s: float = 30.0, timeout_s: float = 30.0,
+                 name: str = "jobstream") -> None:
+        """A pool of at most ``max_size`` connections (``min_size`` kept open; one idle for
+        ``max_idle_s`` seconds is closed, so an idle process gives its connections back);
+        callers wait up to ``timeout_s`` seconds for one. ``name`` is the connections'
+        ``application_name`` (pg_stat_activity shows who holds what)."""
         self.url = url
-        self.pool = ConnectionPool(url, min_size=1, max_size=max_size, open=True,
-                                   kwargs={"row_factory": dict_row, "connect_timeout": 10},
+        self.timeout_s = timeout_s
+        self.pool = ConnectionPool(url, min_size=min_size, max_size=max_size,
+                                   max_idle=max_idle_s, open=True,
+                                   kwargs={"row_factory": dict_row, "connect_timeout": 10,
+                                           "application_name": name},
                                    check=ConnectionPool.check_connection)
+
+    @classmethod
+    def for_process(cls, settings: Any, process: str, max_size: int) -> Store:
+        """The pool of one process (``worker``, ``api``, ``relay``…) sized by the
+        ``db_pool_*`` settings (the connection budget, README "Connection budget")."""
+        return cls(settings.database_url, max_size=max_size,
+                   min_size=min(settings.db_pool_min_size, max_size),
+                   max_idle_s=settings.db_pool_max_idle_s, timeout_s=settings.db_pool_timeout_s,
+                   name=f"jobstream-{process}")
+
+    @contextmanager
+    def connection(self) -> Iterator[psycopg.Connection]:
+        """A pooled connection (no transaction); reports to the process's readiness
+        (:mod:`jobstream.health`). Raises ``psycopg.OperationalError`` (``PoolTimeout``
+        included) when none can be had within ``timeout_s``."""
+        try:
+            with self.pool.connection(timeout=self.timeout_s) as conn:
+                health.ok()
+                yield conn
+        except psycopg.OperationalError as exc:
+            if not isinstance(exc, psycopg.errors.QueryCanceled):  # a timeout is not an outage
+                health.failed(exc)
+            raise
+
+    def probe(self) -> None:
+        """One trivial query through the pool (the readiness probe of an idle process).
+        Raises ``psycopg.OperationalError``."""
+        with self.connection() as conn:
+            conn.execute(Q["health_probe"])
 
     def close(self) -> None:
         """Close every pooled connection."""
@@ -117,7 +167,7 @@ class Store:
     def tx(self) -> Iterator[psycopg.Connection]:
         """One transaction on a pooled connection; Postgres outages become RetryableError."""
         try:
-            with self.pool.connection(timeout=30) as conn, conn.transaction():
+            with self.connection() as conn, conn.transaction():
                 yield conn
         except psycopg.OperationalError as exc:
             raise RetryableError(f"database unavailable: {exc}", code="db_unavailable") from None
@@ -162,7 +212,8 @@ class Store:
     def intake(self, *, tenant_id: str, idempotency_key: str, request_hash: str,
                request_id: str, job: dict[str, Any], content: bytes,
                accepted: Any, topic: str, conn: psycopg.Connection | None = None,
-               extra: list[OutboxMessage] = ()) -> IntakeResult:  # type: ignore[assignment]
+               extra: list[OutboxMessage] = (),  # type: ignore[assignment]
+               restart: Any = None) -> IntakeResult:
         """Create a job for one client intent, in ONE transaction: document, job, idempotency
         record, ``uploaded`` checkpoint and the ``job.accepted`` outbox row (plus ``extra``
         outbox rows, e.g. a ``document.uploaded`` for other consumers).
@@ -172,6 +223,9 @@ class Store:
         (a savepoint is used). The same (tenant, idempotency_key) again returns the same job
         with no new work; a second key for the same dedup_key is bound to the existing job.
         Raises :class:`IdempotencyConflict` when the key was used with a different body.
+        ``restart``: ``(conn, job_id) -> bool``, called when a new key is bound to a job that
+        failed or was cancelled, in the same transaction; it starts a new run of that job and
+        returns False when the job's state changed meanwhile (then the key reuses the job).
 
         Intake is where a job's trace starts: the job keeps the trace-id of the current span
         (the incoming event's or request's ``traceparent``), or of a new trace.
@@ -181,19 +235,21 @@ class Store:
         with tracing.use(span):
             if conn is not None:
                 return self._intake_in(conn, tenant_id, idempotency_key, request_hash,
-                                       request_id, job, content, accepted, topic, list(extra))
+                                       request_id, job, content, accepted, topic, list(extra),
+                                       restart)
             try:
-                with self.pool.connection(timeout=30) as own:
+                with self.connection() as own:
                     return self._intake_in(own, tenant_id, idempotency_key, request_hash,
                                            request_id, job, content, accepted, topic,
-                                           list(extra))
+                                           list(extra), restart)
             except psycopg.OperationalError as exc:
                 raise RetryableError(f"database unavailable: {exc}",
                                      code="db_unavailable") from None
 
     def _intake_in(self, conn: psycopg.Connection, tenant_id: str, idempotency_key: str,
                    request_hash: str, request_id: str, job: dict[str, Any], content: bytes,
-                   accepted: Any, topic: str, extra: list[OutboxMessage]) -> IntakeResult:
+                   accepted: Any, topic: str, extra: list[OutboxMessage],
+                   restart: Any = None) -> IntakeResult:
         for _ in range(3):  # a concurrent identical intent may win the insert race: re-read
             try:
                 with conn.transaction():
@@ -225,7 +281,10 @@ class Store:
                         conn.execute(Q["insert_request"], (tenant_id, idempotency_key,
                                                            request_hash, existing["job_id"],
                                                            request_id))
-                        return IntakeResult(existing["job_id"], False)
+                        if (restart is not None and existing["status"] in ("failed", "cancelled")
+                                and restart(conn, existing["job_id"])):
+                            return IntakeResult(existing["job_id"], False, "restarted")
+                        return IntakeResult(existing["job_id"], False, "reused")
                     job_id = created["job_id"]
                     conn.execute(Q["insert_request"], (tenant_id, idempotency_key, request_hash,
                                                        job_id, request_id))
@@ -237,7 +296,7 @@ class Store:
                     self.add_outbox(conn, outbox_message(topic, event))
                     for msg in extra:
                         self.add_outbox(conn, msg)
-                    return IntakeResult(job_id, True)
+                    return IntakeResult(job_id, True, "new")
             except psycopg.errors.UniqueViolation:
                 continue
             except psycopg.DataError as exc:  # e.g. a NUL in a text column: the request's fault
@@ -259,16 +318,20 @@ class Store:
         fencing token (also when the checkpoint was made by another code version). An event of
         an older ``generation`` than the job's (in flight before a redrive) is skipped as
         ``superseded`` without being recorded, so the new generation's event is not taken for
-        its duplicate.
+        its duplicate. The generation is checked BEFORE the idempotent-consumer row: an old
+        generation's event is ``superseded``, whatever a stale run may have recorded.
+
+        A claim that takes the stage over closes the orphan attempts of the runs it replaces
+        (``abandoned``, see :meth:`close_orphans`).
         """
         with self.tx() as conn:
-            if conn.execute(Q["is_processed"], (group, dedup_key, event_type)).fetchone():
-                return Skip("duplicate")
             job = conn.execute(Q["get_job_for_update"], (job_id,)).fetchone()
             if job is None:
                 return Skip("unknown_job")
             if generation < job["generation"]:
                 return Skip("superseded")
+            if conn.execute(Q["is_processed"], (group, dedup_key, event_type)).fetchone():
+                return Skip("duplicate")
             if job["status"] in (*TERMINAL, "needs_reconciliation") or job["cancel_requested"]:
                 if job["cancel_requested"]:
                     conn.execute(Q["cancel_job"], (job_id,))
@@ -287,6 +350,7 @@ class Store:
                 if cur["status"] in ("failed", "needs_reconciliation"):
                     return Skip("terminal")
                 return LeaseHeld(cur["lease_until"])
+            conn.execute(Q["close_orphan_attempts"], {"job_id": job_id, "stage": stage})
             return Claim(dict(job), stage, row["run_token"], row["attempt"], row["lease_until"])
 
     def reemit(self, *, job: dict[str, Any], group: str, event_type: str,
@@ -304,12 +368,25 @@ class Store:
             return True
 
     def renew_lease(self, claim: Claim, lease_s: float) -> None:
-        """Extend the lease of a running claim. Raises :class:`StaleRun` if it was taken over."""
+        """Extend the lease of a running claim by ``lease_s`` seconds from now. Raises
+        :class:`StaleRun` if the run was fenced (taken over, or the job re-driven)."""
         with self.tx() as conn:
-            row = conn.execute(Q["renew_lease"], (lease_s, claim.job["job_id"], claim.stage,
-                                                  claim.run_token)).fetchone()
+            row = conn.execute(Q["renew_lease"], {
+                "lease_s": lease_s, "job_id": claim.job["job_id"], "stage": claim.stage,
+                "run_token": claim.run_token, "generation": claim.generation}).fetchone()
         if row is None:
             raise StaleRun(f"stage {claim.stage} of job {claim.job['job_id']} has a newer run")
+
+    @staticmethod
+    def _fence(conn: psycopg.Connection, claim: Claim) -> None:
+        """Lock the job row and check the run's generation (the run token is checked by the
+        fenced UPDATE that follows). Raises :class:`StaleRun` when a redrive started a newer
+        generation: the caller's transaction then writes nothing."""
+        row = conn.execute(Q["job_generation_for_update"], (claim.job["job_id"],)).fetchone()
+        if row is None or row["generation"] != claim.generation:
+            raise StaleRun(f"stage {claim.stage} of job {claim.job['job_id']}: run "
+                           f"{claim.run_token} of generation {claim.generation} was fenced off "
+                           "by a redrive; result discarded")
 
     def complete(self, claim: Claim, *, output: Any, input_hash: str, code_version: str,
                  cost_usd: float, group: str, event_type: str, event_id: uuid.UUID,
@@ -326,6 +403,7 @@ class Store:
         job_id = claim.job["job_id"]
         emitted = json.loads(next_msg.value)["payload"]
         with self.tx() as conn:
+            self._fence(conn, claim)
             cur = conn.execute(Q["complete_stage"], {
                 "output": Jsonb(output), "input_hash": input_hash, "code_version": code_version,
                 "cost_usd": cost_usd, "job_id": job_id, "stage": claim.stage,
@@ -354,6 +432,7 @@ class Store:
         row. Raises :class:`StaleRun` when the run was fenced off."""
         job_id = claim.job["job_id"]
         with self.tx() as conn:
+            self._fence(conn, claim)
             cur = conn.execute(Q["fail_stage"], {"error_code": error_code, "error": error[:4000],
                                                  "job_id": job_id, "stage": claim.stage,
                                                  "run_token": claim.run_token})
@@ -367,6 +446,10 @@ class Store:
     def release(self, claim: Claim, *, error_code: str, error: str) -> None:
         """Give a stage back after a transient failure (fenced; no-op if fenced off)."""
         with self.tx() as conn:
+            try:
+                self._fence(conn, claim)
+            except StaleRun:
+                return
             conn.execute(Q["release_stage"], {"error_code": error_code, "error": error[:4000],
                                               "job_id": claim.job["job_id"],
                                               "stage": claim.stage,
@@ -416,7 +499,9 @@ class Store:
         Raises :class:`StaleRun` when the run was fenced off."""
         job_id = claim.job["job_id"]
         with self.tx() as conn:
-            cur = conn.execute(Q["cancel_stage"], (job_id, claim.stage, claim.run_token))
+            self._fence(conn, claim)
+            cur = conn.execute(Q["cancel_stage"], (job_id, claim.stage, claim.run_token,
+                                                   claim.generation))
             if cur.rowcount != 1:
                 raise StaleRun(f"stage {claim.stage} of job {job_id} has a newer run")
             conn.execute(Q["cancel_job"], (job_id,))
@@ -430,6 +515,7 @@ class Store:
         Raises :class:`StaleRun` when the run was fenced off."""
         job_id = claim.job["job_id"]
         with self.tx() as conn:
+            self._fence(conn, claim)
             cur = conn.execute(Q["park_stage"], {"error_code": error_code, "error": error[:4000],
                                                  "job_id": job_id, "stage": claim.stage,
                                                  "run_token": claim.run_token})
@@ -439,7 +525,9 @@ class Store:
             conn.execute(Q["record_processed"], (group, claim.job["dedup_key"], event_type,
                                                  event_id, job_id))
 
-    def redrive(self, job_id: uuid.UUID, *, plan: Any, allowed: tuple[str, ...]) -> str:
+    def redrive(self, job_id: uuid.UUID, *, plan: Any, allowed: tuple[str, ...],
+                fence: tuple[str, uuid.UUID, float] | None = None,
+                conn: psycopg.Connection | None = None) -> str:
         """Re-drive a job (ONE transaction): forget the stage workers' idempotent-consumer rows
         for the job, reopen failed or parked stages, reopen the job, and write the first
         stage's input event to the outbox.
@@ -448,23 +536,85 @@ class Store:
         to restart: the event to write (of generation ``job["generation"] + 1``: the job's new
         generation), the stages to reopen and the (group, event type) rows to forget.
         Succeeded stages keep their checkpoints: they are re-emitted, not redone, unless
-        their code version changed. Returns the job's previous status. Raises ``KeyError`` (no
-        such job) or ``ValueError`` (status not in ``allowed``).
+        their code version changed. Running stages among them are reset too: the runs they
+        replace are fenced in this transaction (their run tokens and generation stop being
+        valid), and their orphan attempts are closed ``abandoned``.
+
+        ``fence=(stage, run_token, grace_s)`` (the sweeper): re-check, in this transaction,
+        that ``run_token`` still owns ``stage`` under a lease expired over ``grace_s`` seconds
+        (times the job's sweep backoff) ago; the re-drive counts one sweep of the job. Returns
+        the job's previous status. Raises ``KeyError`` (no such job), ``ValueError`` (status not
+        in ``allowed``) or :class:`StaleRun` (``fence`` no longer holds: nothing written).
+        ``conn``: in the caller's transaction instead (intake's new run of a failed or
+        cancelled job). A cancelled job's cancel request is cleared: its new run is not
+        cancelled.
         """
-        with self.tx() as conn:
+        with self.tx() if conn is None else contextlib.nullcontext(conn) as conn:
+            if fence is not None:  # the sweeper: never stall behind a frozen transaction
+                conn.execute(Q["sweeper_lock_timeout"])
             job = conn.execute(Q["get_job_for_update"], (job_id,)).fetchone()
             if job is None:
                 raise KeyError(f"no job {job_id}")
             if job["status"] not in allowed:
                 raise ValueError(f"job {job_id} is {job['status']}; redrive needs one of "
                                  f"{list(allowed)}")
+            if fence is not None:
+                self._fence_expired(conn, job_id, *fence)
+                conn.execute(Q["count_sweep"], (job_id,))
             rows = {r["stage"]: r for r in conn.execute(Q["list_stages"], (job_id,))}
             msg, stages, groups, event_types = plan(dict(job), rows)
             conn.execute(Q["forget_processed"], (job["dedup_key"], groups, event_types))
             conn.execute(Q["reopen_stages"], (job_id, list(stages)))
             conn.execute(Q["reopen_job"], (job["generation"] + 1, job_id))
+            for st in stages:
+                conn.execute(Q["close_orphan_attempts"], {"job_id": job_id, "stage": st})
+            if job["status"] == "cancelled":
+                conn.execute(Q["clear_cancel"], (job_id,))
             self.add_outbox(conn, msg)
             return str(job["status"])
+
+    @staticmethod
+    def _fence_expired(conn: psycopg.Connection, job_id: uuid.UUID, stage: str,
+                       run_token: uuid.UUID, grace_s: float) -> int:
+        """Fence the expired run ``run_token`` of ``stage`` (stage back to pending) if it still
+        owns it with a lease expired past the grace; returns its attempt number. Raises
+        :class:`StaleRun` when the run renewed, was taken over or was already re-driven."""
+        row = conn.execute(Q["fence_expired_run"], {
+            "job_id": job_id, "stage": stage, "run_token": run_token,
+            "grace_s": grace_s}).fetchone()
+        if row is None:
+            raise StaleRun(f"stage {stage} of job {job_id}: run {run_token} renewed its lease, "
+                           "was taken over or was already re-driven")
+        return int(row["attempt"])
+
+    def fail_expired(self, job_id: uuid.UUID, *, stage: str, run_token: uuid.UUID,
+                     grace_s: float, error_code: str, error: str,
+                     failed_msg: OutboxMessage) -> None:
+        """The sweeper's end of a stage out of runs (ONE transaction): re-check that the
+        expired run still owns the stage (as :meth:`redrive` with ``fence``), then fail the
+        stage and the job with ``job.failed``, closing the run's orphan attempts. Raises
+        :class:`StaleRun` (nothing written) when the re-check fails."""
+        with self.tx() as conn:
+            conn.execute(Q["sweeper_lock_timeout"])
+            job = conn.execute(Q["get_job_for_update"], (job_id,)).fetchone()
+            if job is None or job["status"] in TERMINAL:
+                raise StaleRun(f"job {job_id} is gone or finished")
+            self._fence_expired(conn, job_id, stage, run_token, grace_s)
+            conn.execute(Q["fail_open_job"], (error_code, error[:4000], job_id, stage))
+            conn.execute(Q["fail_job"], (error_code, error[:4000], job_id))
+            conn.execute(Q["close_orphan_attempts"], {"job_id": job_id, "stage": stage})
+            self.add_outbox(conn, failed_msg)
+
+    def close_orphans(self) -> int:
+        """Close every orphan provider attempt: ``started`` by a run that no longer owns its
+        stage (fenced, taken over, re-driven, finished). Each becomes ``abandoned``, billed at
+        its estimate (USD) for the budget. Returns how many were closed (the sweeper's pass)."""
+        n = 0
+        with self.tx() as conn:
+            conn.execute(Q["sweeper_lock_timeout"])
+            for r in conn.execute(Q["orphan_attempt_stages"]).fetchall():
+                n += conn.execute(Q["close_orphan_attempts"], dict(r)).rowcount
+        return n
 
     def fail_parked(self, job_id: uuid.UUID, *, error_code: str, error: str,
                     failed_msg: OutboxMessage) -> None:
@@ -515,26 +665,45 @@ class Store:
     # ------------------------------------------------------------------ provider log
 
     def start_attempt(self, claim: Claim, *, chunk_idx: int, attempt: int,
-                      model: str) -> int | None:
-        """Record a provider attempt as ``started`` (committed before the request is sent).
-        Returns ``None`` (and records nothing) when the job's cancel was committed first."""
+                      model: str, est_cost_usd: float = 0.0) -> int | None:
+        """Record a provider attempt as ``started`` (committed before the request is sent),
+        fenced by run token and generation. ``est_cost_usd``: what the attempt costs if the
+        provider does the work (USD; billed if the attempt is ever ``abandoned``).
+        Returns ``None`` (and records nothing) when the job's cancel was committed first.
+        Raises :class:`StaleRun` when the run no longer owns the stage: no call is made."""
         with self.tx() as conn:
-            row = conn.execute(Q["start_provider_attempt"], (
-                claim.stage, chunk_idx, attempt, claim.run_token, claim.job["model_profile"],
-                model, claim.job["job_id"])).fetchone()
-        return int(row["attempt_id"]) if row else None
+            row = conn.execute(Q["start_provider_attempt"], {
+                "stage": claim.stage, "chunk_idx": chunk_idx, "attempt": attempt,
+                "run_token": claim.run_token, "model_profile": claim.job["model_profile"],
+                "model": model, "est_cost_usd": est_cost_usd, "job_id": claim.job["job_id"],
+                "generation": claim.generation}).fetchone()
+            if row:
+                return int(row["attempt_id"])
+            cancel = conn.execute(Q["cancel_requested"], (claim.job["job_id"],)).fetchone()
+        if cancel and cancel["cancel_requested"]:
+            return None
+        raise StaleRun(f"stage {claim.stage} of job {claim.job['job_id']}: run "
+                       f"{claim.run_token} was fenced off before its provider call")
 
     def finish_attempt(self, attempt_id: int, *, outcome: str, status_code: int | None = None,
                        latency_ms: float | None = None, prompt_tokens: int | None = None,
                        completion_tokens: int | None = None, cost_usd: float = 0.0,
                        error: str | None = None) -> None:
         """Record the outcome of a provider attempt (``succeeded``, ``transient_error``,
-        ``permanent_error``, ``outcome_unknown`` or ``cancelled``)."""
+        ``permanent_error``, ``outcome_unknown``, ``cancelled``, ``discarded`` or
+        ``abandoned``); a finished attempt keeps its outcome, an ``abandoned`` one takes the
+        real one (cost in USD)."""
         with self.tx() as conn:
             conn.execute(Q["finish_provider_attempt"], {
                 "outcome": outcome, "status_code": status_code, "latency_ms": latency_ms,
                 "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "cost_usd": cost_usd, "error": error and error[:2000], "attempt_id": attempt_id})
+
+    def close_attempt(self, attempt_id: int) -> None:
+        """Close a ``started`` attempt as ``abandoned`` (its run stopped the call because it
+        was fenced), billed at its estimate (USD)."""
+        with self.tx() as conn:
+            conn.execute(Q["abandon_attempt"], (attempt_id,))
 
     def stage_provider_cost(self, job_id: uuid.UUID, stage: str) -> tuple[float, int]:
         """``(cost_usd, attempts)`` of every provider attempt of a job's stage, all runs."""
@@ -550,18 +719,26 @@ class Store:
         """Record a succeeded provider attempt AND keep the chunk's model output, in ONE
         transaction (the output fenced by the run token): a ``succeeded`` attempt always has its
         output stored, so a retry after a crash or a Postgres outage between the two never pays
-        for the chunk a second time. When a newer run owns the stage the attempt's outcome is
-        still committed (it was paid for) and :class:`StaleRun` is raised."""
+        for the chunk a second time. When a newer run or generation owns the stage the answer
+        is recorded as ``discarded`` (cost kept: it was paid for), the output is dropped and
+        :class:`StaleRun` is raised. When the run still owns the stage but the chunk was
+        answered meanwhile (a paused run's transaction committed late) the answer is
+        ``discarded`` too and the run goes on with the saved output."""
+        fence = {"job_id": claim.job["job_id"], "stage": claim.stage,
+                 "run_token": claim.run_token, "generation": claim.generation}
         with self.tx() as conn:
-            conn.execute(Q["finish_provider_attempt"], {
-                "outcome": "succeeded", "status_code": status_code, "latency_ms": latency_ms,
-                "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "cost_usd": cost_usd, "error": None, "attempt_id": attempt_id})
             cur = conn.execute(Q["save_chunk_output"], {
-                "output": Jsonb(output), "attempt_id": attempt_id, "job_id": claim.job["job_id"],
-                "idx": idx, "run_token": claim.run_token})
+                "output": Jsonb(output), "attempt_id": attempt_id, "idx": idx, **fence})
             saved = cur.rowcount == 1
-        if not saved:
+            owner = saved or conn.execute(Q["run_owns_stage"], fence).fetchone() is not None
+            conn.execute(Q["finish_provider_attempt"], {
+                "outcome": "succeeded" if saved else "discarded", "status_code": status_code,
+                "latency_ms": latency_ms, "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens, "cost_usd": cost_usd,
+                "error": None if saved else ("chunk answered meanwhile: discarded" if owner
+                                             else "answer of a fenced run: discarded"),
+                "attempt_id": attempt_id})
+        if not owner:
             raise StaleRun(f"LLM stage of job {claim.job['job_id']} has a newer run")
 
     # ------------------------------------------------------------------ metrics
@@ -578,7 +755,8 @@ class Store:
         (source, reason_code, n: dead_letter rows not replayed), and
         ``stage_durations`` /
         ``queue_waits`` (stage, lane, idx, n, sum_s: counts per bucket ``idx`` of ``bounds``,
-        seconds, over stages finished in the last ``window_s`` seconds). Raises
+        seconds, over stages finished in the last ``window_s`` seconds), ``provider_latency``
+        (model_profile, lane, idx, n, sum_s: the same over provider attempts). Raises
         :class:`RetryableError` when Postgres is unavailable or a statement timed out.
         """
         stages = list(STAGES[1:])
@@ -594,6 +772,7 @@ class Store:
                 "provider_limit": list(conn.execute(Q["limit_state"])),
                 "dead_letters": list(conn.execute(Q["metrics_dead_letters"])),
                 "stage_durations": list(conn.execute(Q["metrics_stage_durations"], window)),
+                "provider_latency": list(conn.execute(Q["metrics_provider_latency"], window)),
                 "queue_waits": list(conn.execute(Q["metrics_queue_waits"], {
                     **window, "stages": stages, "prevs": list(STAGES[:-1])})),
             }

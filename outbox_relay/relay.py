@@ -39,7 +39,7 @@ import psycopg
 from confluent_kafka import KafkaError, KafkaException, Producer
 from psycopg.rows import tuple_row
 
-from jobstream import faults
+from jobstream import faults, health
 from jobstream.db import QUERIES as Q
 from jobstream.db import connect
 from jobstream.kafka import producer_config
@@ -260,11 +260,15 @@ class OutboxRelay:
         return True
 
     def _acquire_lock(self, conn: psycopg.Connection) -> bool:
+        standing_by = False
         while not self._stop.is_set():
             row = conn.execute(Q["relay_try_lock"], (RELAY_LOCK_ID,)).fetchone()
+            health.ok()
             if row and row["locked"]:
                 return True
-            log.info("another relay is active; standing by")
+            if not standing_by:  # once, not every try
+                log.info("another relay is active; standing by (trying every 2 s)")
+                standing_by = True
             self._stop.wait(2.0)
         return False
 
@@ -273,8 +277,8 @@ class OutboxRelay:
         from jobstream.stages import StageContext
         from jobstream.store import Store
         if self._ctx is None:
-            self._ctx = StageContext(self.settings, Store(self.settings.database_url,
-                                                          max_size=2))
+            self._ctx = StageContext(self.settings, Store.for_process(
+                self.settings, "relay", self.settings.db_pool_relay_max))
 
     def _sweep(self) -> None:
         """Run the stuck-stage sweeper (the active relay is the one process that does)."""
@@ -317,6 +321,7 @@ class OutboxRelay:
                     while not self._stop.is_set():
                         try:
                             n = self.publish_batch(conn)
+                            health.ok()
                             retry_s = 0.5
                         except DeliveryFailed as exc:
                             log.warning("delivery failed; re-sending the undelivered rows in "
@@ -338,12 +343,14 @@ class OutboxRelay:
                             self._gc()
                             last_gc = time.monotonic()
                         if n < self.settings.relay_batch_size:
+                            self._producer.poll(0)  # serve client logs/callbacks while idle
                             # Caught up: sleep until a NOTIFY or the polling interval.
                             for _ in conn.notifies(timeout=self.settings.relay_poll_interval_s,
                                                    stop_after=1):
                                 pass
             except psycopg.OperationalError as exc:
-                log.warning("postgres unavailable (%s); reconnecting in %.1fs", exc, backoff)
+                health.failed(exc)  # one line per outage (jobstream.health), not per retry
+                log.debug("postgres unavailable (%s); reconnecting in %.1fs", exc, backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
         self._producer.flush(30)

@@ -16,7 +16,7 @@ import faust
 from jobstream.settings import Settings
 from jobstream.stages import StageContext
 from jobstream.store import Store
-from streams import chunk, extract, intake, llm, publish, records, validate
+from streams import chunk, extract, intake, llm, offsets, publish, records, validate
 
 AGENTS = {"intake": intake.register, "extract": extract.register, "chunk": chunk.register,
           "llm": llm.register, "llm_batch": llm.register_batch, "validate": validate.register,
@@ -67,9 +67,14 @@ def create_app(settings: Settings, stages: Iterable[str] | None = None,
         # Retry copies are the originals (up to kafka_message_max_bytes) plus retry headers.
         producer_max_request_size=settings.kafka_message_max_bytes + settings.dlq_headroom_bytes,
         processing_guarantee="at_least_once",
+        # Offsets follow completion (streams/offsets.py), so a rebalance or a stop need not
+        # wait for running stage work (it is redelivered), and faust prints no actor
+        # tracebacks while it would wait.
+        stream_wait_empty=False,
     )
-    ctx = StageContext(settings=settings, store=store or Store(
-        settings.database_url, max_size=max(8, 2 * settings.llm_concurrency + 4)))
+    offsets.install(app)
+    ctx = StageContext(settings=settings, store=store or Store.for_process(
+        settings, "worker", settings.db_pool_worker_max))
     for name in names:
         AGENTS[name](app, ctx)
     return app, ctx

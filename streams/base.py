@@ -20,8 +20,10 @@ Routing (style.md lesson 4: agents stay thin, failures are routed explicitly):
   the stage run already ended (:func:`jobstream.stages.run_stage` fails the job with
   ``internal_error`` and a ``job.failed`` event).
 
-faust acks an event when the agent takes the next one, so the offset commit always follows the
-stage's Postgres transaction (or the retry/DLQ produce, which is awaited until acknowledged).
+Offsets follow completion: the committed offset of a partition is the lowest one whose message
+is not done yet (``streams/offsets.py``), never faust's ack tracking, so the offset commit
+always follows the stage's Postgres transaction (or the retry/DLQ produce, which is awaited
+until acknowledged), whatever the agent's concurrency.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from jobstream.errors import OutcomeUnknown, PoisonMessage, RetryableError
 from jobstream.settings import Settings
 from jobstream.stages import SPECS, StageContext, give_up
 from schemas.events import decode_event
+from streams import offsets
 
 log = logging.getLogger("jobstream.streams")
 
@@ -193,6 +196,8 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
                 await dead_letter(event, UNHANDLED, describe(exc), getattr(ev, "job_id", None))
                 return
 
+    tracker = getattr(app, "completion_tracker", None) or offsets.install(app)
+
     async def guarded(event: faust.EventT, round_no: int) -> None:
         """The one guard around a consumed message: whatever escapes decoding, handling or
         routing is dead-lettered (``unhandled``); the agent never crashes."""
@@ -207,24 +212,67 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
                           describe(exc))
             await dead_letter(event, UNHANDLED, describe(exc))
 
-    async def agent(stream: faust.StreamT) -> None:
-        async for event in stream.events():
+    async def run_one(event: faust.EventT, epoch: int) -> None:
+        msg = event.message
+        try:
             await guarded(event, 0)
-            faults.point("stage_after_commit_before_offset")
+        except asyncio.CancelledError:
+            raise  # stopping: not done, so its offset is never committed (redelivered)
+        except Exception:  # even the dead letter failed: not done either
+            log.exception("%s: %s[%d]@%d not done; its offset is held back until it is "
+                          "redelivered", name, msg.topic, msg.partition, msg.offset)
+            return
+        faults.point("stage_after_commit_before_offset")
+        tracker.done(msg.tp, msg.offset, epoch)
+
+    def current(event: faust.EventT) -> bool:
+        """False for an event taken before a rebalance that happened while it waited for a
+        slot (faust's own generation check, repeated): the partition's next owner, maybe
+        this worker again, re-reads it from the committed offset. Registering it now would
+        let the commit jump past the messages re-read before it."""
+        return (app.flow_control.is_active()
+                and event.message.generation_id == app.consumer_generation_id)
+
+    async def agent(stream: faust.StreamT) -> None:
+        # One faust actor takes the events in partition order and runs up to `concurrency`
+        # of them as tasks; the offset committed per partition is the lowest one not done
+        # (streams/offsets.py), so a crash or a rebalance never skips an unfinished message.
+        slots = asyncio.Semaphore(concurrency)
+        running: set[asyncio.Task[None]] = set()
+        try:
+            async for event in stream.events():
+                await slots.acquire()
+                if not current(event):  # held while a rebalance happened: not ours to run
+                    slots.release()
+                    continue
+                epoch = tracker.received(event.message.tp, event.message.offset)
+                task = asyncio.create_task(run_one(event, epoch))
+                running.add(task)
+                task.add_done_callback(running.discard)
+                task.add_done_callback(lambda _t: slots.release())
+        finally:
+            for task in running:  # stopping: their offsets stay uncommitted (redelivered)
+                task.cancel()
 
     async def retry_agent(stream: faust.StreamT) -> None:
         async for event in stream.events():
+            msg = event.message
+            epoch = tracker.received(msg.tp, msg.offset)
             try:
-                not_before = int(_header(event, "retry_not_before_ms") or 0) / 1000
-                round_no = max(1, int(_header(event, "retry_count") or 1))
-            except (ValueError, OverflowError):  # forged (e.g. 400 digits): first round, now
-                not_before, round_no = 0.0, 1
-            wait = min(not_before - time.time(), s.retry_cap_s)
-            if wait > 0:
-                await asyncio.sleep(wait)
-            await guarded(event, round_no)
+                try:
+                    not_before = int(_header(event, "retry_not_before_ms") or 0) / 1000
+                    round_no = max(1, int(_header(event, "retry_count") or 1))
+                except (ValueError, OverflowError):  # forged (e.g. 400 digits): round 1, now
+                    not_before, round_no = 0.0, 1
+                wait = min(not_before - time.time(), s.retry_cap_s)
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                await guarded(event, round_no)
+            except asyncio.CancelledError:
+                raise  # stopping: not done, its offset is not committed
+            tracker.done(msg.tp, msg.offset, epoch)
 
     agent.__name__ = name
     retry_agent.__name__ = f"{name}_retry"
     app.agent(retry_topic, name=f"{name}_retry", concurrency=1)(retry_agent)
-    return app.agent(topic, name=name, concurrency=concurrency)(agent)
+    return app.agent(topic, name=name, concurrency=1)(agent)

@@ -89,9 +89,68 @@ ON CONFLICT (job_id, stage) DO UPDATE
 RETURNING attempt, run_token, lease_until;
 
 -- name: renew_lease
-UPDATE job_stage SET lease_until = now() + make_interval(secs => %s), updated_at = now()
- WHERE job_id = %s AND stage = %s AND run_token = %s AND status = 'running'
+-- Fenced by run token AND generation: a run of an older generation renews nothing.
+UPDATE job_stage s
+   SET lease_until = now() + make_interval(secs => %(lease_s)s), updated_at = now()
+ WHERE s.job_id = %(job_id)s AND s.stage = %(stage)s AND s.run_token = %(run_token)s
+   AND s.status = 'running'
+   AND EXISTS (SELECT 1 FROM job j WHERE j.job_id = s.job_id
+                AND j.generation = %(generation)s)
 RETURNING lease_until;
+
+-- name: job_generation_for_update
+-- The fence of every terminal move of a run: the job row locked (a redrive takes the same
+-- lock to bump the generation), so "generation unchanged" holds until commit.
+SELECT generation, status FROM job WHERE job_id = %s FOR UPDATE;
+
+-- name: close_orphan_attempts
+-- Attempts left 'started' by runs of (job, stage) that no longer own it (fenced, taken over,
+-- re-driven, or the stage finished): closed 'abandoned', billed at their estimate (an unknown
+-- outcome: the provider may have done the work). A later real answer replaces the estimate.
+UPDATE provider_attempt a
+   SET outcome = 'abandoned', cost_usd = a.est_cost_usd, finished_at = now(),
+       error = 'run fenced or dead before the answer was recorded'
+ WHERE a.job_id = %(job_id)s AND a.stage = %(stage)s AND a.outcome = 'started'
+   AND NOT EXISTS (SELECT 1 FROM job_stage s
+                    WHERE s.job_id = a.job_id AND s.stage = a.stage
+                      AND s.run_token = a.run_token AND s.status = 'running')
+RETURNING attempt_id;
+
+-- name: orphan_attempt_stages
+-- (job, stage) pairs holding an orphan attempt (see close_orphan_attempts), for the sweeper.
+SELECT DISTINCT a.job_id, a.stage FROM provider_attempt a
+ WHERE a.outcome = 'started'
+   AND NOT EXISTS (SELECT 1 FROM job_stage s
+                    WHERE s.job_id = a.job_id AND s.stage = a.stage
+                      AND s.run_token = a.run_token AND s.status = 'running')
+ LIMIT 100;
+
+-- name: fence_expired_run
+-- The sweeper's re-check, in the transaction that re-drives: the run it saw is still the
+-- stage's owner and its lease still expired past the job's backoff. Zero rows: renewed, taken
+-- over or already re-driven; nothing to do. Resets the stage to pending (the run is fenced).
+UPDATE job_stage s
+   SET status = 'pending', run_token = NULL, lease_until = NULL, updated_at = now(),
+       error_code = 'lease_expired', error = 'the run stopped renewing its lease'
+  FROM job j
+ WHERE s.job_id = %(job_id)s AND s.stage = %(stage)s AND s.run_token = %(run_token)s
+   AND s.status = 'running' AND j.job_id = s.job_id
+   AND s.lease_until < now() - make_interval(secs => %(grace_s)s * power(2, least(j.sweeps, 6)))
+RETURNING s.attempt;
+
+-- name: run_owns_stage
+-- Does the run (token, generation) still own its stage? (Why a fenced write matched no row.)
+SELECT 1 AS owns FROM job_stage s JOIN job j USING (job_id)
+ WHERE s.job_id = %(job_id)s AND s.stage = %(stage)s AND s.run_token = %(run_token)s
+   AND s.status = 'running' AND j.generation = %(generation)s;
+
+-- name: sweeper_lock_timeout
+-- The sweeper never waits long on a row lock (a frozen process may hold one for minutes): the
+-- job is skipped this pass instead of stalling every other one.
+SET LOCAL lock_timeout = '2s';
+
+-- name: count_sweep
+UPDATE job SET sweeps = sweeps + 1, swept_at = now() WHERE job_id = %s;
 
 -- name: complete_stage
 -- Fenced completion: zero rows means a newer run owns the stage; its caller rolls back.
@@ -138,14 +197,24 @@ SELECT cancel_requested FROM job WHERE job_id = %s;
 UPDATE job_stage SET status = 'failed', error_code = 'cancelled_by_user',
                      error = 'cancelled by user', lease_until = NULL, finished_at = now(),
                      updated_at = now()
- WHERE job_id = %s AND stage = %s AND run_token = %s AND status = 'running';
+ WHERE job_id = %s AND stage = %s AND run_token = %s AND status = 'running'
+   AND EXISTS (SELECT 1 FROM job j WHERE j.job_id = job_stage.job_id AND j.generation = %s);
 
 -- name: request_cancel
--- "Cancelled by user": the flag workers check between and during stages.
+-- "Cancelled by user": the flag workers check between and during stages. A finished job is
+-- left as it is (no row: see api_job_status).
 UPDATE job SET cancel_requested = true, cancel_requested_at = coalesce(cancel_requested_at, now()),
                updated_at = now()
- WHERE job_id = %s AND tenant_id = %s
+ WHERE job_id = %s AND tenant_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled')
 RETURNING status;
+
+-- name: api_job_status
+SELECT status, cancel_requested FROM job WHERE job_id = %s AND tenant_id = %s;
+
+-- name: clear_cancel
+-- A new run of a cancelled job (a new intent for the same computation) is not cancelled.
+UPDATE job SET cancel_requested = false, cancel_requested_at = NULL, updated_at = now()
+ WHERE job_id = %s;
 
 -- name: request_cancel_batch
 UPDATE job SET cancel_requested = true, cancel_requested_at = coalesce(cancel_requested_at, now()),
@@ -175,7 +244,12 @@ UPDATE job_stage
    AND status = 'running';
 
 -- name: park_job
-UPDATE job SET status = 'needs_reconciliation', error_code = %s, error = %s, updated_at = now()
+-- current_stage becomes the parked stage (parked in the same transaction, before this).
+UPDATE job SET status = 'needs_reconciliation', error_code = %s, error = %s, updated_at = now(),
+               current_stage = coalesce((SELECT s.stage FROM job_stage s
+                                          WHERE s.job_id = job.job_id
+                                            AND s.status = 'needs_reconciliation'
+                                          ORDER BY s.updated_at DESC LIMIT 1), current_stage)
  WHERE job_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled');
 
 -- name: jobs_needing_reconciliation
@@ -193,9 +267,12 @@ DELETE FROM processed_event
  WHERE dedup_key = %s AND consumer_group = ANY(%s) AND event_type = ANY(%s);
 
 -- name: reopen_stages
+-- A redrive fences the runs it replaces: a running stage is reset too, so the old run token
+-- stops being valid in this very transaction.
 UPDATE job_stage SET status = 'pending', run_token = NULL, lease_until = NULL,
                      error_code = NULL, error = NULL, updated_at = now()
- WHERE job_id = %s AND stage = ANY(%s) AND status IN ('failed', 'needs_reconciliation');
+ WHERE job_id = %s AND stage = ANY(%s)
+   AND status IN ('failed', 'needs_reconciliation', 'running');
 
 -- name: reopen_job
 UPDATE job SET status = 'running', error_code = NULL, error = NULL, finished_at = NULL,
@@ -209,9 +286,11 @@ UPDATE job_stage SET status = 'failed', error_code = %s, error = %s, updated_at 
 -- name: expired_leases
 -- Stages whose run died (lease expired long ago) while their job is still open: the sweeper
 -- re-drives them so a crash never leaves a job stuck.
+-- A job re-driven before waits longer: grace * 2^sweeps (per-job backoff, capped at 2^6).
 SELECT s.job_id, s.stage, s.run_token, s.attempt, s.lease_until FROM job_stage s
   JOIN job j USING (job_id)
- WHERE s.status = 'running' AND s.lease_until < now() - make_interval(secs => %s)
+ WHERE s.status = 'running'
+   AND s.lease_until < now() - make_interval(secs => %s * power(2, least(j.sweeps, 6)))
    AND j.status IN ('queued', 'running')
  ORDER BY s.lease_until LIMIT 100;
 
@@ -226,8 +305,13 @@ UPDATE job SET status = 'succeeded', current_stage = 'published', charge_usd = %
  WHERE job_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled');
 
 -- name: fail_job
+-- current_stage becomes the stage that failed (its checkpoint is failed in the same
+-- transaction, before this), not the last one that succeeded.
 UPDATE job SET status = 'failed', error_code = %s, error = %s, finished_at = now(),
-               updated_at = now()
+               updated_at = now(),
+               current_stage = coalesce((SELECT s.stage FROM job_stage s
+                                          WHERE s.job_id = job.job_id AND s.status = 'failed'
+                                          ORDER BY s.updated_at DESC LIMIT 1), current_stage)
  WHERE job_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled');
 
 -- name: cancel_job
@@ -254,24 +338,42 @@ UPDATE chunk c SET llm_output = %(output)s, llm_attempt_id = %(attempt_id)s
  WHERE c.job_id = %(job_id)s AND c.idx = %(idx)s AND c.llm_output IS NULL
    AND EXISTS (SELECT 1 FROM job_stage s
                 WHERE s.job_id = c.job_id AND s.stage = 'llm_done'
-                  AND s.run_token = %(run_token)s AND s.status = 'running');
+                  AND s.run_token = %(run_token)s AND s.status = 'running')
+   AND EXISTS (SELECT 1 FROM job j WHERE j.job_id = c.job_id
+                AND j.generation = %(generation)s);
 
 -- name: start_provider_attempt
 -- Written (and committed) before the request is sent: a crash mid-call leaves 'started'. Not
 -- written once the job's cancel is committed: FOR SHARE serialises it with the cancel's UPDATE,
 -- so no provider call starts after a committed cancel.
-INSERT INTO provider_attempt (job_id, stage, chunk_idx, attempt, run_token, model_profile, model)
-SELECT j.job_id, %s, %s, %s, %s, %s, %s FROM job j
- WHERE j.job_id = %s AND NOT j.cancel_requested
+-- Fenced: only while the run owns the stage under the job's generation (else no row, and the
+-- caller asks start_attempt_blocker why).
+INSERT INTO provider_attempt (job_id, stage, chunk_idx, attempt, run_token, model_profile, model,
+                              est_cost_usd)
+SELECT j.job_id, %(stage)s, %(chunk_idx)s, %(attempt)s, %(run_token)s, %(model_profile)s,
+       %(model)s, %(est_cost_usd)s
+  FROM job j
+ WHERE j.job_id = %(job_id)s AND NOT j.cancel_requested AND j.generation = %(generation)s
+   AND EXISTS (SELECT 1 FROM job_stage s WHERE s.job_id = j.job_id AND s.stage = %(stage)s
+                AND s.run_token = %(run_token)s AND s.status = 'running')
    FOR SHARE OF j
 RETURNING attempt_id;
 
 -- name: finish_provider_attempt
+-- A finished attempt keeps its outcome; an 'abandoned' one (closed while its run was paused)
+-- takes the real outcome and cost when the answer arrives after all.
 UPDATE provider_attempt
    SET outcome = %(outcome)s, status_code = %(status_code)s, latency_ms = %(latency_ms)s,
        prompt_tokens = %(prompt_tokens)s, completion_tokens = %(completion_tokens)s,
        cost_usd = %(cost_usd)s, error = %(error)s, finished_at = now()
- WHERE attempt_id = %(attempt_id)s;
+ WHERE attempt_id = %(attempt_id)s AND outcome IN ('started', 'abandoned');
+
+-- name: abandon_attempt
+-- The run stopped its own call because it was fenced: unknown outcome, billed at the estimate.
+UPDATE provider_attempt
+   SET outcome = 'abandoned', cost_usd = est_cost_usd, finished_at = now(),
+       error = 'call stopped: the run was fenced off'
+ WHERE attempt_id = %s AND outcome = 'started';
 
 -- name: count_provider_attempts
 SELECT count(*) AS n FROM provider_attempt WHERE job_id = %s AND stage = %s AND chunk_idx = %s;
@@ -546,8 +648,10 @@ SELECT stage, coalesce(sum(attempt), 0)::bigint AS runs,
   FROM job_stage WHERE stage <> 'uploaded' GROUP BY stage;
 
 -- name: metrics_provider_attempts
--- Provider attempts per outcome and model profile, with their cost (USD).
-SELECT outcome, model_profile, count(*) AS n, coalesce(sum(cost_usd), 0)::float8 AS cost_usd
+-- Provider attempts per outcome and model profile, with their cost (USD) and how many the
+-- provider answered 429.
+SELECT outcome, model_profile, count(*) AS n, coalesce(sum(cost_usd), 0)::float8 AS cost_usd,
+       count(*) FILTER (WHERE status_code = 429) AS rate_limited
   FROM provider_attempt GROUP BY outcome, model_profile;
 
 -- name: metrics_stage_durations
@@ -564,6 +668,19 @@ SELECT stage, lane,
        (SELECT count(*) FROM unnest(%(bounds)s::float8[]) AS b(le) WHERE b.le < d.v) AS idx,
        count(*) AS n, sum(v)::float8 AS sum_s
   FROM d GROUP BY stage, lane, idx;
+
+-- name: metrics_provider_latency
+-- Latency (seconds) of provider attempts that finished in the last %(window_s)s seconds, per
+-- model profile and lane; buckets as in metrics_stage_durations.
+WITH d AS (
+    SELECT a.model_profile, j.lane, greatest(a.latency_ms / 1000.0, 0)::float8 AS v
+      FROM provider_attempt a JOIN job j USING (job_id)
+     WHERE a.finished_at >= now() - make_interval(secs => %(window_s)s)
+       AND a.latency_ms IS NOT NULL)
+SELECT model_profile, lane,
+       (SELECT count(*) FROM unnest(%(bounds)s::float8[]) AS b(le) WHERE b.le < d.v) AS idx,
+       count(*) AS n, sum(v)::float8 AS sum_s
+  FROM d GROUP BY model_profile, lane, idx;
 
 -- name: metrics_queue_waits
 -- Queue wait (seconds) of stages that succeeded in the last %(window_s)s seconds: from the
@@ -638,8 +755,11 @@ SELECT a.attempt_id, a.job_id, a.stage, a.chunk_idx, a.attempt, a.run_token, a.o
   FROM provider_attempt a JOIN job j USING (job_id) WHERE j.tenant_id = %s;
 
 -- name: inv_outbox
--- The outbox rows of a tenant's jobs (the Kafka key is the job id).
-SELECT o.id, o.event_id, o.event_type, o.kafka_key, o.published_at IS NOT NULL AS published
+-- The outbox rows of a tenant's jobs (the Kafka key is the job id), with the event's job
+-- generation (a re-drive writes the stage's input event again, one generation up).
+SELECT o.id, o.event_id, o.event_type, o.kafka_key, o.published_at IS NOT NULL AS published,
+       coalesce((convert_from(o.payload, 'UTF8')::jsonb ->> 'generation')::int, 0)
+           AS generation
   FROM outbox o JOIN job j ON o.kafka_key = j.job_id::text WHERE j.tenant_id = %s;
 
 -- name: inv_processed
@@ -653,6 +773,106 @@ SELECT dedup_key, count(*) AS n FROM downstream.document_analysis
 -- name: inv_charges
 SELECT dedup_key, count(*) AS n FROM downstream.ledger_charge
  WHERE tenant_id = %s GROUP BY dedup_key;
+
+-- ---------------------------------------------------------------- jobstream verify (read-only)
+-- Every query takes %(tenant)s (NULL: all tenants) and returns at most 1000 rows.
+
+-- name: verify_applied_twice
+-- Example downstream: a dedup_key whose analysis or ledger charge exists more than once.
+SELECT 'downstream.ledger_charge' AS what, tenant_id, dedup_key, count(*) AS n,
+       array_agg(DISTINCT job_id::text) AS job_ids
+  FROM downstream.ledger_charge
+ WHERE %(tenant)s::text IS NULL OR tenant_id = %(tenant)s
+ GROUP BY tenant_id, dedup_key HAVING count(*) > 1
+UNION ALL
+SELECT 'downstream.document_analysis', tenant_id, dedup_key, count(*),
+       array_agg(DISTINCT job_id::text)
+  FROM downstream.document_analysis
+ WHERE %(tenant)s::text IS NULL OR tenant_id = %(tenant)s
+ GROUP BY tenant_id, dedup_key HAVING count(*) > 1
+ LIMIT 1000;
+
+-- name: verify_not_applied
+-- Example downstream: jobs succeeded longer than the grace ago that it never applied.
+SELECT j.job_id, j.finished_at FROM job j
+ WHERE j.status = 'succeeded' AND j.finished_at < now() - make_interval(secs => %(grace_s)s)
+   AND (%(tenant)s::text IS NULL OR j.tenant_id = %(tenant)s)
+   AND NOT EXISTS (SELECT 1 FROM downstream.document_analysis a
+                    WHERE a.tenant_id = j.tenant_id AND a.dedup_key = j.dedup_key)
+ ORDER BY j.finished_at LIMIT 1000;
+
+-- name: verify_stuck_jobs
+-- Open jobs (not parked for reconciliation) with no live lease, no unpublished event and no
+-- progress (job, stage or outbox) for the grace: nothing will move them.
+SELECT j.job_id, j.status, j.current_stage, j.updated_at FROM job j
+ WHERE j.status IN ('queued', 'running')
+   AND (%(tenant)s::text IS NULL OR j.tenant_id = %(tenant)s)
+   AND j.updated_at < now() - make_interval(secs => %(grace_s)s)
+   AND NOT EXISTS (SELECT 1 FROM job_stage s WHERE s.job_id = j.job_id
+                      AND ((s.status = 'running' AND s.lease_until > now())
+                           OR s.updated_at > now() - make_interval(secs => %(grace_s)s)))
+   AND NOT EXISTS (SELECT 1 FROM outbox o WHERE o.kafka_key = j.job_id::text
+                      AND (o.published_at IS NULL
+                           OR o.published_at > now() - make_interval(secs => %(grace_s)s)))
+ ORDER BY j.updated_at LIMIT 1000;
+
+-- name: verify_stranded_stages
+-- A stage that succeeded longer than the grace ago while its job is open and the next stage
+-- was never claimed (row missing or pending). %(stages)s is the checkpoint chain in order.
+SELECT s.job_id, s.stage, s.finished_at,
+       (%(stages)s::text[])[array_position(%(stages)s::text[], s.stage) + 1] AS next_stage
+  FROM job_stage s JOIN job j USING (job_id)
+ WHERE s.status = 'succeeded' AND j.status IN ('queued', 'running')
+   AND (%(tenant)s::text IS NULL OR j.tenant_id = %(tenant)s)
+   AND array_position(%(stages)s::text[], s.stage) < array_length(%(stages)s::text[], 1)
+   AND s.finished_at < now() - make_interval(secs => %(grace_s)s)
+   AND j.updated_at < now() - make_interval(secs => %(grace_s)s)
+   AND NOT EXISTS (
+       SELECT 1 FROM job_stage n WHERE n.job_id = s.job_id AND n.status <> 'pending'
+          AND n.stage = (%(stages)s::text[])[array_position(%(stages)s::text[], s.stage) + 1])
+ ORDER BY s.finished_at LIMIT 1000;
+
+-- name: verify_orphan_attempts
+-- Provider attempts still 'started' whose run no longer holds a live lease on its stage.
+SELECT a.attempt_id, a.job_id, a.stage, a.chunk_idx, a.started_at,
+       s.status AS stage_status, s.run_token = a.run_token AS same_run
+  FROM provider_attempt a JOIN job j USING (job_id)
+  LEFT JOIN job_stage s ON s.job_id = a.job_id AND s.stage = a.stage
+ WHERE a.outcome = 'started'
+   AND (%(tenant)s::text IS NULL OR j.tenant_id = %(tenant)s)
+   AND a.started_at < now() - make_interval(secs => %(grace_s)s)
+   AND (s.run_token IS DISTINCT FROM a.run_token OR s.status <> 'running'
+        OR s.lease_until < now())
+ ORDER BY a.attempt_id LIMIT 1000;
+
+-- name: verify_outbox_unpublished
+-- Outbox rows not published longer than the bound after they were written.
+SELECT o.id, o.event_type, o.kafka_key, o.created_at FROM outbox o
+ WHERE o.published_at IS NULL
+   AND o.created_at < now() - make_interval(secs => %(outbox_age_s)s)
+   AND (%(tenant)s::text IS NULL OR EXISTS (
+        SELECT 1 FROM job j WHERE j.job_id::text = o.kafka_key AND j.tenant_id = %(tenant)s))
+ ORDER BY o.id LIMIT 1000;
+
+-- name: verify_paid_twice
+-- Chunks with more than one succeeded (billed) provider attempt, with what tells why.
+SELECT a.job_id, a.chunk_idx, count(*) AS n, sum(a.cost_usd) AS cost_usd,
+       count(DISTINCT a.run_token) AS runs,
+       array_agg(a.attempt_id ORDER BY a.attempt_id) AS attempt_ids,
+       bool_or(EXISTS (SELECT 1 FROM provider_attempt b
+                        WHERE b.job_id = a.job_id AND b.chunk_idx = a.chunk_idx
+                          AND b.outcome = 'succeeded' AND b.attempt_id <> a.attempt_id
+                          AND b.started_at < a.finished_at
+                          AND a.started_at < b.finished_at)) AS overlapping
+  FROM provider_attempt a JOIN job j USING (job_id)
+ WHERE a.outcome = 'succeeded' AND a.chunk_idx IS NOT NULL
+   AND (%(tenant)s::text IS NULL OR j.tenant_id = %(tenant)s)
+ GROUP BY a.job_id, a.chunk_idx HAVING count(*) > 1
+ ORDER BY a.job_id, a.chunk_idx LIMIT 1000;
+
+-- name: health_probe
+-- Readiness: can this process get a connection and run a statement?
+SELECT 1 AS ok;
 
 -- ---------------------------------------------------------------- dead-letter store (0008)
 

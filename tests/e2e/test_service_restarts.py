@@ -31,6 +31,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from jobstream import verify
 from jobstream.db import migrate
 from jobstream.kafka import ensure_topics
 from jobstream.llm.fake_provider import FakeProvider
@@ -242,6 +243,11 @@ def _assert_batch_complete(settings: Settings, tenant: str, runner: ProcessRunne
     assert stray[0]["n"] == 0
     assert query(url, "SELECT count(*) AS n FROM outbox WHERE published_at IS NULL"
                  )[0]["n"] == 0
+    # The running system's auditor agrees (attempts left 'started' by a run the outage broke
+    # are closed by the fencing work, not checked here).
+    report = verify.run(settings, tenant=tenant, grace_s=0, outbox_age_s=0,
+                        skip=("orphan_attempts", "consumer_lag"))
+    assert not report.broken and not report.errors, report.text()
     _assert_alive(procs, runner)
 
 

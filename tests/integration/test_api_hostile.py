@@ -321,7 +321,7 @@ def test_an_idempotency_key_over_its_length_is_invalid_not_missing(api: str) -> 
     # Idempotency-Key header is required" (missing_idempotency_key).
     body = {"filename": "k.txt", "text": "a document with an over-long key"}
     r = _post(api, "/v1/jobs", "k" * 201, body)
-    assert r.status_code == 422 and r.json()["code"] == "invalid_request", r.text
+    assert r.status_code == 400 and r.json()["code"] == "idempotency_key_too_long", r.text
     assert "Idempotency-Key" in r.json()["message"]
     missing = httpx.post(f"{api}/v1/jobs", json=body, headers=ACME, timeout=30)
     assert missing.status_code == 400 and missing.json()["code"] == "missing_idempotency_key"

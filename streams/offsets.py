@@ -1,0 +1,125 @@
+"""Offsets follow completion, per partition: what the stage workers commit to Kafka.
+
+An agent may run several events at once (the LLM agent runs ``llm_concurrency``), so events
+of one partition finish out of order. The committed offset of a partition must never pass a
+message that is still being processed: after a crash or a rebalance the next owner starts at
+the committed offset, and a message below it would never be delivered again (issue 11,
+problem 2: offset 116 still calling the provider, 117 finished, 118 committed).
+
+faust's own ack tracking (``Consumer._new_offset``) has an off-by-one that lets the commit
+pass a single unfinished message at the head (faust-streaming#606, fix proposed in #707,
+unreleased), and it acks an event when the agent takes the next one rather than when the
+event's work is done. So we track completion ourselves and hand faust only the result:
+
+- :class:`CompletionTracker` records, per partition, the offsets received and not yet done;
+  the committable offset is the lowest of them (everything below it is done), or one past the
+  highest offset received when nothing is in flight;
+- :class:`TrackedConsumerMixin` replaces faust's ``_new_offset`` with the tracker's answer, and
+  resets a partition's state when it is revoked or assigned (a rebalance), so a late completion
+  from a previous assignment cannot move the offset of the next one;
+- :func:`install` wires both into a faust app before its consumer is created.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import faust
+
+
+@dataclass
+class _Partition:
+    epoch: int = 0
+    in_flight: dict[int, int] = field(default_factory=dict)  # offset -> copies in flight
+    next_offset: int | None = None  # one past the highest offset received
+
+
+class CompletionTracker:
+    """Per-partition completion of consumed messages (thread-safe).
+
+    Keys are faust ``TP`` tuples (topic, partition); offsets are Kafka offsets (ints).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._parts: dict[Any, _Partition] = {}
+
+    def received(self, tp: Any, offset: int) -> int:
+        """Record that ``offset`` of ``tp`` started processing; returns the assignment epoch
+        to pass to :meth:`done`."""
+        with self._lock:
+            p = self._parts.setdefault(tp, _Partition())
+            p.in_flight[offset] = p.in_flight.get(offset, 0) + 1
+            if p.next_offset is None or offset + 1 > p.next_offset:
+                p.next_offset = offset + 1
+            return p.epoch
+
+    def done(self, tp: Any, offset: int, epoch: int) -> None:
+        """Record that ``offset`` of ``tp`` finished (processed, dead-lettered or sent to the
+        retry topic). A completion from an earlier assignment ``epoch`` is ignored."""
+        with self._lock:
+            p = self._parts.get(tp)
+            if p is None or p.epoch != epoch or offset not in p.in_flight:
+                return
+            p.in_flight[offset] -= 1
+            if not p.in_flight[offset]:
+                del p.in_flight[offset]
+
+    def committable(self, tp: Any) -> int | None:
+        """The offset to commit for ``tp``: the lowest offset still in flight (every message
+        below it is done), else one past the highest received; None before the first."""
+        with self._lock:
+            p = self._parts.get(tp)
+            if p is None:
+                return None
+            return min(p.in_flight) if p.in_flight else p.next_offset
+
+    def in_flight(self, tp: Any) -> list[int]:
+        """Offsets of ``tp`` still being processed, ascending."""
+        with self._lock:
+            p = self._parts.get(tp)
+            return sorted(p.in_flight) if p else []
+
+    def reset(self, tps: Iterable[Any]) -> None:
+        """Forget ``tps`` (revoked or newly assigned): a new epoch, nothing in flight."""
+        with self._lock:
+            for tp in tps:
+                old = self._parts.get(tp)
+                self._parts[tp] = _Partition(epoch=(old.epoch + 1) if old else 1)
+
+
+class TrackedConsumerMixin:
+    """Mixed into faust's transport consumer: commits what :class:`CompletionTracker` says,
+    never what faust's acks say."""
+
+    tracker: CompletionTracker
+
+    def _new_offset(self, tp: Any) -> int | None:
+        acked = self._acked.get(tp)  # type: ignore[attr-defined]
+        if acked:  # faust's ack bookkeeping is not used: keep it from growing
+            acked.clear()
+            self._acked_index[tp].clear()  # type: ignore[attr-defined]
+        return self.tracker.committable(tp)
+
+    async def on_partitions_revoked(self, revoked: set[Any]) -> None:
+        await super().on_partitions_revoked(revoked)  # type: ignore[misc]
+        self.tracker.reset(revoked)
+
+    async def on_partitions_assigned(self, assigned: set[Any], generation_id: int = 0) -> None:
+        self.tracker.reset(assigned)
+        await super().on_partitions_assigned(assigned, generation_id)  # type: ignore[misc]
+
+
+def install(app: faust.App) -> CompletionTracker:
+    """Make ``app``'s consumer commit by completion (call before the app starts); returns the
+    tracker the agents report to (also ``app.completion_tracker``)."""
+    tracker = CompletionTracker()
+    transport = app.transport
+    base = transport.Consumer
+    transport.Consumer = type("TrackedConsumer", (TrackedConsumerMixin, base),
+                              {"tracker": tracker})
+    app.completion_tracker = tracker  # type: ignore[attr-defined]
+    return tracker

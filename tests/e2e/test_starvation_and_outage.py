@@ -1,0 +1,234 @@
+"""Connection starvation and a broker outage, on a PRIVATE Kafka + Postgres (issue 11, 6 and 7).
+
+- Starvation: Postgres runs with ``max_connections = 20``; while another client holds every
+  free connection ("too many clients"), a downstream that starts cannot connect. Its
+  readiness (``/healthz``) must say so while it lasts, and when the connections come back
+  every job is applied exactly once without anyone doing anything. Idle workers give their
+  pooled connections back.
+- Outage: the broker is stopped for 15 s; each process logs a handful of lines (one when
+  Kafka goes away, one when it is back), not one per reconnect.
+
+The services come from ``scripts/services.sh`` under a temporary ``JOBSTREAM_HOME`` on free
+ports (see ``tests/e2e/test_service_restarts.py``), so the shared ones are never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from jobstream import verify
+from jobstream.db import migrate
+from jobstream.kafka import ensure_topics
+from jobstream.producer import submit, uploaded_event
+from jobstream.services import SCRIPT, kafka_answers, postgres_answers
+from jobstream.settings import Settings
+from tests.e2e.test_service_restarts import PrivateServices, _free_ports
+from tests.helpers import Proc, ProcessRunner, query, wait_for
+
+pytestmark = pytest.mark.e2e
+
+MAX_CONNECTIONS = 20
+OUTAGE_S = 15
+MAX_LINES_PER_PROCESS = 20
+
+
+@pytest.fixture(scope="module")
+def svc() -> Iterator[PrivateServices]:
+    """A private Kafka + Postgres (max_connections = 20); stopped and deleted afterwards."""
+    home = Path(tempfile.mkdtemp(prefix="jobstream-starve-", dir="/tmp"))
+    home.chmod(0o755)
+    kafka_port, controller_port, pg_port = _free_ports(3)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("JOBSTREAM_") and k not in ("DATABASE_URL",
+                                                           "KAFKA_BOOTSTRAP_SERVERS")}
+    env.update(JOBSTREAM_HOME=str(home), JOBSTREAM_KAFKA_PORT=str(kafka_port),
+               JOBSTREAM_KAFKA_CONTROLLER_PORT=str(controller_port),
+               JOBSTREAM_PG_PORT=str(pg_port))
+    s = PrivateServices(home, env, f"127.0.0.1:{kafka_port}",
+                        f"postgresql://jobstream:jobstream@127.0.0.1:{pg_port}/jobstream")
+    try:
+        s.script("up")
+        with psycopg.connect(s.database_url, autocommit=True) as conn:
+            conn.execute(f"ALTER SYSTEM SET max_connections = {MAX_CONNECTIONS}")
+        s.stop("postgres")
+        s.start("postgres")
+        assert kafka_answers(s.kafka) and postgres_answers(s.database_url)
+        yield s
+    finally:
+        subprocess.run(["bash", str(SCRIPT), "down"], env=env, capture_output=True,
+                       timeout=120)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture
+def ps(svc: PrivateServices) -> Iterator[Settings]:
+    """Settings of one test on the private services: own database and topic prefix."""
+    name = f"jobstream_s_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(svc.database_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    url = psycopg.conninfo.make_conninfo(svc.database_url, dbname=name)
+    migrate(url)
+    s = Settings(database_url=url, kafka_bootstrap_servers=svc.kafka,
+                 topic_prefix=f"s{uuid.uuid4().hex[:8]}.", consumer_session_timeout_ms=6000,
+                 relay_poll_interval_s=0.2, lease_s=30.0, provider_backoff_base_s=0.05)
+    ensure_topics(s)
+    yield s
+    try:
+        with psycopg.connect(svc.database_url, autocommit=True, connect_timeout=5) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                sql.Identifier(name)))
+    except psycopg.OperationalError:
+        pass
+
+
+def _health(port: int) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+    except OSError:
+        return 0, {}
+
+
+def _submit(s: Settings, folder: Path, tenant: str, n: int) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    events = []
+    for i in range(n):
+        doc = folder / f"doc-{i}.txt"
+        doc.write_text(f"Document {i} of {tenant}. " + "Ledgers, parcels and lanterns. " * 30)
+        events.append(uploaded_event(doc, tenant_id=tenant, idempotency_key=f"{tenant}:{i}",
+                                     settings=s))
+    submit(s, events)
+
+
+def _applied(url: str, tenant: str) -> int:
+    return query(url, "SELECT count(DISTINCT dedup_key) AS n FROM downstream.ledger_charge "
+                      "WHERE tenant_id = %s", (tenant,))[0]["n"]
+
+
+@pytest.mark.timeout(600)
+def test_connection_starvation_is_reported_and_recovers_without_operator(
+        ps: Settings, tmp_path: Path) -> None:
+    runner = ProcessRunner(ps, tmp_path / "logs")
+    ports = dict(zip(("relay", "worker-1", "worker-2", "consume-ready"), _free_ports(4),
+                     strict=True))
+    common = {"JOBSTREAM_HEALTH_FAIL_AFTER_S": "3", "JOBSTREAM_HEALTH_PROBE_INTERVAL_S": "1",
+              "JOBSTREAM_DB_POOL_MAX_IDLE_S": "2", "JOBSTREAM_DB_POOL_TIMEOUT_S": "5"}
+    url, tenant, n = ps.database_url, "starved", 10
+    hog: list[psycopg.Connection] = []
+    try:
+        procs: dict[str, Proc] = {}
+        for name in ("relay", "worker-1", "worker-2"):
+            procs[name] = runner.start(name.split("-")[0], name=name,
+                                       JOBSTREAM_HEALTH_PORT=str(ports[name]), **common)
+        for name in procs:
+            wait_for(lambda name=name: _health(ports[name])[0] == 200, 60,
+                     f"{name} to be ready", runner.logs)
+        # Another client takes every connection Postgres has left (and, below, every one an
+        # idle pool gives back while the starvation lasts).
+        def grab() -> None:
+            while len(hog) < MAX_CONNECTIONS + 5:
+                try:
+                    hog.append(psycopg.connect(url, connect_timeout=5))
+                except psycopg.OperationalError as exc:
+                    assert "too many clients" in str(exc) or "remaining conn" in str(exc), exc
+                    return
+        grab()
+        assert len(hog) < MAX_CONNECTIONS + 5, "max_connections is not in force"
+        starved_at = time.monotonic()
+        _submit(ps, tmp_path / "docs", tenant, n)
+        procs["consume-ready"] = runner.start(
+            "consume-ready", JOBSTREAM_HEALTH_PORT=str(ports["consume-ready"]), **common)
+        # Readiness reports the starvation while it lasts.
+        code, body = wait_for(
+            lambda: (r := _health(ports["consume-ready"]))[0] == 503 and r, 30,
+            "consume-ready to report unhealthy", runner.logs)
+        assert body["status"] == "unhealthy" and body["db_failing_for_s"] >= 3, body
+        assert "too many clients" in (body["last_error"] or ""), body
+        with hog[0].transaction():  # nothing applied yet (asked on a hogged connection)
+            assert hog[0].execute("SELECT count(*) FROM downstream.ledger_charge WHERE "
+                                  "tenant_id = %s", (tenant,)).fetchone()[0] == 0
+        while time.monotonic() - starved_at < 15:
+            grab()
+            time.sleep(0.2)
+        assert _health(ports["consume-ready"])[0] == 503, "healthy while still starved"
+    finally:
+        for conn in hog:
+            conn.close()
+    # The connections are back: everything finishes by itself, each job applied once.
+    wait_for(lambda: _applied(url, tenant) == n, 180, f"all {n} jobs applied",
+             runner.logs, every_s=1)
+    wait_for(lambda: all(_health(p)[0] == 200 for p in ports.values()), 30,
+             "every process to be ready again", lambda: str({n_: _health(p) for n_, p in
+                                                             ports.items()}))
+    charges = query(url, "SELECT dedup_key, count(*) AS n FROM downstream.ledger_charge "
+                         "WHERE tenant_id = %s GROUP BY 1", (tenant,))
+    assert len(charges) == n and all(c["n"] == 1 for c in charges), charges
+    logs = procs["consume-ready"].log_text()
+    # One line per outage, not per retry (a connection an idle pool gave back may end one
+    # early and start another).
+    assert 1 <= logs.count("database unreachable") <= 3, logs[-3000:]
+    assert "database reachable again after" in logs, logs[-3000:]
+    # Idle workers give their pooled connections back (a probe keeps at most one each).
+    wait_for(lambda: query(url, "SELECT count(*) AS n FROM pg_stat_activity WHERE "
+                                "application_name = 'jobstream-worker'")[0]["n"] <= 2, 30,
+             "idle workers to release their connections", runner.logs)
+    report = verify.run(ps, tenant=tenant, grace_s=0, outbox_age_s=0, max_lag=0,
+                        checks=["applied_twice", "not_applied", "stuck_jobs",
+                                "stranded_stages", "outbox_unpublished", "paid_twice"])
+    assert not report.broken and not report.errors, report.text()
+    runner.stop_all()
+
+
+@pytest.mark.timeout(600)
+def test_broker_outage_logs_a_few_lines_per_process(svc: PrivateServices, ps: Settings,
+                                                    tmp_path: Path) -> None:
+    runner = ProcessRunner(ps, tmp_path / "logs")
+    try:
+        procs = runner.pipeline()
+        _submit(ps, tmp_path / "before", "outage", 3)
+        wait_for(lambda: _applied(ps.database_url, "outage") == 3, 120,
+                 "the first jobs to be applied", runner.logs)
+        marks = {name: len(p.log_text().splitlines()) for name, p in procs.items()}
+        svc.stop("kafka")
+        try:
+            time.sleep(OUTAGE_S)
+        finally:
+            svc.start("kafka")
+        # Kafka is back: the pipeline works again, then count what each process said.
+        _submit(ps, tmp_path / "after", "outage-after", 2)
+        wait_for(lambda: _applied(ps.database_url, "outage-after") == 2, 180,
+                 "jobs after the outage to be applied", runner.logs)
+        wait_for(lambda: all("kafka reachable again" in procs[n].log_text()
+                             for n in ("worker", "downstream")), 60,
+                 "the end of the outage to be logged", runner.logs)
+        time.sleep(3)
+        lines = {name: p.log_text().splitlines()[marks[name]:] for name, p in procs.items()}
+        for name, got in lines.items():
+            print(f"--- {name}: {len(got)} lines during and after the outage")
+            print("\n".join(got[:40]))
+        for name, got in lines.items():
+            noisy = [ln for ln in got if "job.ready" not in ln and " -> " not in ln]
+            assert len(noisy) < MAX_LINES_PER_PROCESS, (name, len(noisy), noisy[:60])
+            assert not any("TRACEBACK OF ALL RUNNING AGENT ACTORS" in ln for ln in got), name
+        for name in ("worker", "downstream"):
+            text = "\n".join(lines[name])
+            assert text.count("kafka unreachable") == 1, (name, text[-3000:])
+            assert text.count("kafka reachable again after") == 1, (name, text[-3000:])
+    finally:
+        runner.stop_all()

@@ -602,8 +602,13 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
                 response.headers["Idempotent-Replayed"] = "true"
             else:
                 batch_id = new_id
-                for i, ev in enumerate(events):
-                    job_id, _ = intake(ev, conn)
+                # Document and job rows are locked in one global order (hash, content type),
+                # not the request's: concurrent batches sharing documents in another order
+                # deadlocked (503 for all but one).
+                order = sorted(range(len(events)), key=lambda i: (
+                    events[i].payload.document.sha256, events[i].payload.document.content_type))
+                for i in order:
+                    job_id, _ = intake(events[i], conn)
                     conn.execute(Q["insert_batch_job"], (batch_id, i, job_id))
         return batch_view(t, batch_id)
 

@@ -1,4 +1,5 @@
-"""``jobstream chaos``: the crash matrix. Kill a process at a fault point, restart it, check.
+"""``jobstream chaos``: the crash matrix (kill) and the pause matrix. Kill — or freeze past its
+lease — a process at a fault point, restart (or resume) it, check.
 
 For each fault point (``jobstream.faults``) one run, isolated by its own topic prefix and tenant:
 
@@ -12,8 +13,17 @@ For each fault point (``jobstream.faults``) one run, isolated by its own topic p
    committed up to the end of its topics), then check the invariants (:func:`check_invariants`)
    from Postgres, the topics and the fake provider's per-Idempotency-Key counters.
 
-The test ``tests/e2e/test_crash_matrix.py`` runs :func:`run_point` per point on the test's
-database; the command runs :func:`run_matrix`, which makes a scratch database per point.
+Pause mode (``mode="pause"``, ``jobstream chaos --mode pause``): the armed process freezes
+itself at the point (SIGSTOP, ``<point>=stop``), stays frozen for ``pause_s`` seconds (longer
+than the lease plus the sweeper's grace, and the Kafka session), then gets SIGCONT: a GC pause,
+a stalled VM. A second worker runs beside the armed one and the sweeper is active with a short
+grace, so the frozen run is fenced by a takeover or by a re-drive, whichever comes first; the
+resumed process must discard its stale work. Invariants as in kill mode, re-driven stages
+allowed.
+
+The tests ``tests/e2e/test_crash_matrix.py`` and ``tests/e2e/test_pause.py`` run
+:func:`run_point` per point on the test's database; the command runs :func:`run_matrix`,
+which makes a scratch database per point.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -60,6 +71,15 @@ DEFAULT_PLAN = (
     "relay_after_produce_before_mark:job.ready@2",
     "consumer_after_apply_before_offset@2",
 )
+#: The pause matrix: each point frozen (SIGSTOP) on an early hit, so one worker reaches it.
+PAUSE_PLAN = (
+    "llm_chunk_answered_before_save@2=stop",
+    "llm_after_provider_before_checkpoint@1=stop",
+    "stage_after_commit_before_offset@6=stop",
+    "relay_after_produce_before_mark@2=stop",
+    "relay_after_produce_before_mark:job.ready@1=stop",
+    "consumer_after_apply_before_offset@1=stop",
+)
 #: The events every successful job produces, in flow order (one outbox row each).
 JOB_EVENTS = ("job.accepted", "job.text_extracted", "job.chunks_ready", "job.llm_done",
               "job.validated", "job.ready")
@@ -67,8 +87,12 @@ WORKER_TOPICS = ("document.uploaded", *(s.consumes for s in SPECS.values()))
 STAGES = ("uploaded", *(s.stage for s in SPECS.values()))
 DOWNSTREAM_GROUP = "downstream-ready-applier"
 #: Provider outcomes that may precede a chunk's one success: the attempt failed or its outcome
-#: is unknown. ``started`` (never finished) is allowed only for a run that was killed.
-FAILED_OUTCOMES = ("transient_error", "permanent_error", "outcome_unknown", "cancelled")
+#: is unknown (``abandoned``: its run died or was fenced mid-call), or a fenced run's answer was
+#: ``discarded``. ``started`` at the end is an orphan: always a violation.
+FAILED_OUTCOMES = ("transient_error", "permanent_error", "outcome_unknown", "cancelled",
+                   "discarded", "abandoned")
+#: The two matrices: SIGKILL at the point (then restart), or SIGSTOP there (then SIGCONT).
+MODES = ("kill", "pause")
 
 _WORDS = ("ledger archive parcel harbour signal lantern meadow quarry ribbon saddle timber "
           "vessel anchor beacon canyon delta ember falcon glacier hollow island jasper kettle "
@@ -138,6 +162,8 @@ class PointResult:
     owner: str
     jobs: int
     killed_rc: int | None = None
+    mode: str = "kill"
+    paused: bool = False
     seconds: float = 0.0
     violations: list[str] = field(default_factory=list)
     effects: dict[str, int] = field(default_factory=dict)
@@ -146,14 +172,18 @@ class PointResult:
 
     @property
     def ok(self) -> bool:
-        """True when the point fired (SIGKILL) and no invariant was violated."""
-        return self.killed_rc == -9 and not self.violations
+        """True when the point fired (SIGKILL, or SIGSTOP in pause mode) and no invariant was
+        violated."""
+        fired = self.paused if self.mode == "pause" else self.killed_rc == -9
+        return fired and not self.violations
 
     def report(self, *, tails: bool = False) -> str:
         """A few lines for humans; with ``tails`` (assertion messages) the end of every
         process log of a failed run too."""
-        head = (f"{self.fault} ({self.owner}): {'PASS' if self.ok else 'FAIL'} in "
-                f"{self.seconds:.0f}s, killed rc={self.killed_rc}, effects={self.effects}")
+        how = (f"paused={self.paused}" if self.mode == "pause"
+               else f"killed rc={self.killed_rc}")
+        head = (f"{self.fault} ({self.owner}, {self.mode}): {'PASS' if self.ok else 'FAIL'} in "
+                f"{self.seconds:.0f}s, {how}, effects={self.effects}")
         return "\n".join([head, *(f"  - {v}" for v in self.violations),
                           *([f"  logs: {self.logdir}"] if self.logdir else []),
                           *([self.log_tails] if tails and self.log_tails else [])])
@@ -162,8 +192,8 @@ class PointResult:
 # ------------------------------------------------------------------------------ invariants
 
 def check_invariants(settings: Settings, *, tenant: str, keys: list[str],
-                     calls_by_key: dict[str, int],
-                     worker_killed: bool) -> tuple[list[str], dict[str, int]]:
+                     calls_by_key: dict[str, int], worker_killed: bool,
+                     redrives: bool = False) -> tuple[list[str], dict[str, int]]:
     """Check the exactly-once invariants of a finished run; returns ``(violations, effects)``.
 
     - every submitted intent has a job in exactly one terminal state (succeeded: the fake
@@ -179,7 +209,13 @@ def check_invariants(settings: Settings, *, tenant: str, keys: list[str],
       request is logged before it is sent) and at least one per finished row (a ``started``
       row of a killed run may or may not have been sent: a kill can land between the two);
     - a finished stage is never run again: no stage was claimed twice unless the worker was
-      killed (then at most twice), and no provider attempt started after ``llm_done`` finished.
+      killed or paused (then at most twice; three times with ``redrives``), and no provider
+      attempt started after ``llm_done`` finished;
+    - no orphan attempt: nothing is left ``started`` (a dead or fenced run's attempt is closed
+      ``abandoned``);
+    - with ``redrives`` (a frozen run may have been re-driven by the sweeper): an event may
+      have several outbox rows if each is of another generation (the re-driven input event),
+      the idempotent-consumer row recording one of them; job.ready still exactly one.
 
     ``effects`` counts what the fault caused: re-published events, retaken stages, attempts
     left ``started``, provider calls.
@@ -210,7 +246,10 @@ def check_invariants(settings: Settings, *, tenant: str, keys: list[str],
             v.append(f"job {jid}: {j['status']} ({j['error_code']})")
     stage_of: dict[tuple[str, str], dict[str, Any]] = {
         (str(s["job_id"]), s["stage"]): s for s in stages}
-    max_attempt = 2 if worker_killed else 1
+    # A killed or paused worker's stage is claimed again once. In pause mode a third claim is
+    # legitimate: the frozen process may hold a row lock (a transaction open when it froze)
+    # that stalls the run taking over past its own lease, and the sweeper re-drives that run.
+    max_attempt = (3 if redrives else 2) if worker_killed else 1
     for jid in job_ids:
         for st in STAGES:
             s = stage_of.get((jid, st))
@@ -230,10 +269,18 @@ def check_invariants(settings: Settings, *, tenant: str, keys: list[str],
         outbox_ids[(o["kafka_key"], o["event_type"])].append(str(o["event_id"]))
         if not o["published"]:
             v.append(f"outbox row {o['id']} ({o['event_type']}) never published")
+    gens: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for o in outbox:
+        gens[(str(o["kafka_key"]), o["event_type"])].append(o["generation"])
+    # A re-drive writes a stage's input event again, one generation up: one row per generation.
+    redriven = {k for k, g in gens.items() if redrives and len(g) > 1
+                and len(set(g)) == len(g) and k[1] != "job.ready"}
     for jid in job_ids:
         for et in JOB_EVENTS:
             n = len(outbox_ids.get((jid, et), []))
-            if n != 1:
+            if (jid, et) in redriven:
+                effects["redriven"] += n - 1
+            elif n != 1:
                 v.append(f"job {jid}: {n} {et} outbox rows (one result per stage expected)")
         if outbox_ids.get((jid, "job.failed")):
             v.append(f"job {jid}: job.failed in the outbox")
@@ -261,6 +308,8 @@ def check_invariants(settings: Settings, *, tenant: str, keys: list[str],
     for jid in job_ids:
         for group, et in groups.items():
             got = done.get((jid, group, et))
+            if (jid, et) in redriven and got in outbox_ids.get((jid, et), []):
+                continue
             if got is None or [got] != outbox_ids.get((jid, et)):
                 v.append(f"job {jid}: {group} recorded {et} as {got}, the outbox has "
                          f"{outbox_ids.get((jid, et))}")
@@ -295,19 +344,23 @@ def check_invariants(settings: Settings, *, tenant: str, keys: list[str],
                      f"attempt {ok[0]['attempt_id']}")
         if not c["answered"]:
             v.append(f"{where}: no model output")
-        started = [a for a in tries if a["outcome"] == "started"]
-        effects["started_attempts"] += len(started)
-        for a in started:
-            if not worker_killed or a["run_token"] == final:
-                v.append(f"{where}: attempt {a['attempt_id']} left 'started' by a run that "
-                         "was not killed")
+        started = [a for a in tries if a["outcome"] in ("started", "abandoned")]
+        effects["started_attempts"] += sum(a["outcome"] == "started" for a in tries)
+        effects["abandoned_attempts"] += sum(a["outcome"] == "abandoned" for a in tries)
+        effects["discarded_attempts"] += sum(a["outcome"] == "discarded" for a in tries)
+        for a in tries:
+            if a["outcome"] == "started":
+                v.append(f"{where}: orphan attempt {a['attempt_id']} left 'started'"
+                         + (" by the final run" if a["run_token"] == final else ""))
+            elif a["outcome"] == "abandoned" and a["run_token"] == final:
+                v.append(f"{where}: attempt {a['attempt_id']} of the final run abandoned")
         for a in tries:
             if a["outcome"] not in ("succeeded", "started", *FAILED_OUTCOMES):
                 v.append(f"{where}: attempt {a['attempt_id']} has outcome {a['outcome']}")
         calls = calls_by_key.get(f"{jid}:{idx}", 0)
         if not len(tries) - len(started) <= calls <= len(tries):
             v.append(f"{where}: the provider saw {calls} calls, provider_attempt has "
-                     f"{len(tries)} rows ({len(started)} started)")
+                     f"{len(tries)} rows ({len(started)} started or abandoned)")
         llm = stage_of.get((jid, "llm_done"))
         late = [a for a in tries if llm and llm["finished_at"]
                 and a["started_at"] > llm["finished_at"]]
@@ -386,17 +439,42 @@ def quiescent(settings: Settings, tenant: str, n_jobs: int) -> bool:
                           [settings.topic("job.ready")]) == 0)
 
 
+def _proc_state(proc: Proc) -> str:
+    """The process state letter from /proc (``T``: stopped), ``X`` once it is gone."""
+    try:
+        with open(f"/proc/{proc.popen.pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
+
+
+def as_pause(fault: str) -> str:
+    """The fault spec with the ``stop`` action (SIGSTOP instead of SIGKILL)."""
+    return fault if fault.endswith("=stop") else fault.split("=", 1)[0] + "=stop"
+
+
 def run_point(base: Settings, fault: str, *, jobs: int, logdir: Path,
-              timeout_s: float = 150.0) -> PointResult:
+              timeout_s: float = 150.0, mode: str = "kill",
+              pause_s: float | None = None) -> PointResult:
     """Run one fault point of the matrix on ``base``'s database and topics (see the module
-    docstring); returns what happened, never raises for an invariant violation."""
+    docstring); returns what happened, never raises for an invariant violation.
+
+    ``mode``: ``kill`` (SIGKILL at the point, restart) or ``pause`` (SIGSTOP there for
+    ``pause_s`` seconds, default lease + sweep grace + Kafka session + 3 s, then SIGCONT).
+    Raises ``ValueError`` for another mode.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
     owner = owner_of(fault)
-    result = PointResult(fault, owner, jobs, logdir=logdir)
+    fault = as_pause(fault) if mode == "pause" else fault
+    result = PointResult(fault, owner, jobs, logdir=logdir, mode=mode)
     t0 = time.monotonic()
     run_id = uuid.uuid4().hex[:8]
     tenant = f"chaos-{run_id}"
     with FakeProvider() as fake:
         settings = chaos_settings(base, fake.base_url)
+        if mode == "pause":  # the sweeper races the takeover
+            settings = settings.model_copy(update={"sweep_grace_s": 3.0})
         runner = _Runner(settings_env(settings), logdir)
         try:
             armed = None
@@ -410,12 +488,14 @@ def run_point(base: Settings, fault: str, *, jobs: int, logdir: Path,
                                              settings=settings, model_profile="custom")
                               for d, k in zip(docs, keys, strict=True)])
             def fired() -> str | None:
+                if mode == "pause" and _proc_state(armed) == "T":
+                    return "paused"
                 if armed.popen.poll() is not None or runner.dead(besides=armed):
                     return "exited"
                 # Every job done and the point never reached: its hit N is beyond the batch.
                 return "finished" if quiescent(settings, tenant, jobs) else None
-            outcome = _wait(fired, timeout_s, every_s=1.0)
-            if outcome != "exited":
+            outcome = _wait(fired, timeout_s, every_s=0.5 if mode == "pause" else 1.0)
+            if outcome not in ("exited", "paused"):
                 result.violations.append(
                     f"{fault} never fired " + ("before every job had finished (is N beyond "
                                                "this batch?)" if outcome == "finished"
@@ -424,31 +504,56 @@ def run_point(base: Settings, fault: str, *, jobs: int, logdir: Path,
             if others := runner.dead(besides=armed):
                 result.violations.append(f"{[p.name for p in others]} died unexpectedly")
                 return result
-            result.killed_rc = armed.popen.returncode
-            if result.killed_rc != -9:
-                result.violations.append(f"{owner} exited with {result.killed_rc}, not SIGKILL")
-                return result
-            restarted = runner.start(owner)
-            if not _wait(lambda: runner.dead() != [armed]
+            if mode == "pause":
+                if outcome != "paused":
+                    result.violations.append(f"{owner} exited with {armed.popen.returncode}, "
+                                             "not paused")
+                    return result
+                result.paused = True
+                if owner == "worker":  # a second worker takes over the frozen one's work
+                    runner.start("worker")
+                wait = pause_s if pause_s is not None else (
+                    settings.lease_s + settings.sweep_grace_s
+                    + settings.consumer_session_timeout_ms / 1000 + 3)
+                time.sleep(wait)
+                os.kill(armed.popen.pid, signal.SIGCONT)
+                expect_dead: list[Proc] = []
+            else:
+                result.killed_rc = armed.popen.returncode
+                if result.killed_rc != -9:
+                    result.violations.append(
+                        f"{owner} exited with {result.killed_rc}, not SIGKILL")
+                    return result
+                runner.start(owner)
+                expect_dead = [armed]
+            if not _wait(lambda: runner.dead() != expect_dead
                          or quiescent(settings, tenant, jobs), timeout_s, every_s=1.0):
                 result.violations.append(f"not quiescent within {timeout_s:.0f}s after the "
-                                         "restart")
-            elif runner.dead() != [armed]:
+                                         + ("SIGCONT" if mode == "pause" else "restart"))
+            elif runner.dead() != expect_dead:
                 result.violations.append(
                     f"{[p.name for p in runner.dead() if p is not armed]} died unexpectedly")
             else:
                 v, effects = check_invariants(
                     settings, tenant=tenant, keys=keys,
-                    calls_by_key=fake.snapshot()["by_key"], worker_killed=owner == "worker")
+                    calls_by_key=fake.snapshot()["by_key"], worker_killed=owner == "worker",
+                    redrives=mode == "pause")
                 result.violations += v
                 result.effects = effects
                 result.effects["downstream_duplicates"] = sum(
                     _count_lines(p, " duplicate ") for p in runner.procs
                     if p.name.startswith("consume-ready"))
                 if owner == "worker":
-                    result.effects["redelivered_skips"] = _count_lines(
-                        restarted, "-> skipped:duplicate")
+                    result.effects["redelivered_skips"] = sum(
+                        _count_lines(p, "-> skipped:duplicate") for p in runner.procs
+                        if p is not armed and p.name.startswith("worker"))
+                    result.effects["stale_runs"] = sum(
+                        _count_lines(p, "-> stale") for p in runner.procs)
         finally:
+            for p in runner.procs:  # a frozen process must wake up to hear SIGTERM
+                if p.popen.poll() is None:
+                    with contextlib.suppress(OSError):
+                        os.kill(p.popen.pid, signal.SIGCONT)
             stop(runner.procs)
             result.seconds = time.monotonic() - t0
             if result.violations:
@@ -480,9 +585,11 @@ def drop_database(url: str, name: str) -> None:
 
 def run_matrix(settings: Settings, faults: list[str], *, jobs: int, workdir: Path,
                keep: bool = False,
-               on_result: Callable[[PointResult], None] | None = None) -> list[PointResult]:
-    """Run every fault of ``faults`` in turn, each in a scratch database and its own topic
-    prefix on the configured servers (dropped afterwards unless ``keep`` or it failed)."""
+               on_result: Callable[[PointResult], None] | None = None,
+               mode: str = "kill") -> list[PointResult]:
+    """Run every fault of ``faults`` in turn (``mode``: ``kill`` or ``pause``, see
+    :func:`run_point`), each in a scratch database and its own topic prefix on the configured
+    servers (dropped afterwards unless ``keep`` or it failed)."""
     results = []
     for fault in faults:
         owner_of(fault)  # fail fast on a typo
@@ -494,7 +601,7 @@ def run_matrix(settings: Settings, faults: list[str], *, jobs: int, workdir: Pat
                                         "provider_backoff_base_s": 0.05})
         try:
             ensure_topics(s)
-            res = run_point(s, fault, jobs=jobs, logdir=workdir / run)
+            res = run_point(s, fault, jobs=jobs, logdir=workdir / run, mode=mode)
         except BaseException:  # interrupted (Ctrl-C, SIGTERM) or the services failed
             with contextlib.suppress(Exception):
                 drop_database(settings.database_url, run)

@@ -35,6 +35,12 @@ def main(log_level: str) -> None:
     Configuration comes from JOBSTREAM_* environment variables (also DATABASE_URL and
     KAFKA_BOOTSTRAP_SERVERS); `jobstream config` shows the values in force.
     """
+    from pydantic import ValidationError
+    try:  # every process checks its settings at start (e.g. lease vs heartbeat): a clear error
+        get_settings()
+    except ValidationError as exc:
+        raise click.ClickException("invalid settings: " + "; ".join(
+            str(e["msg"]) for e in exc.errors())) from None
     _logging(log_level)
 
 
@@ -656,16 +662,21 @@ def dlq_replay(topic: str, reason_codes: tuple[str, ...], limit: int | None, dry
 @click.option("--jobs", default=5, show_default=True, help="Documents submitted per point.")
 @click.option("--keep", is_flag=True, help="Keep every scratch database and topic, not only "
               "those of failed points.")
-def chaos(points: str | None, jobs: int, keep: bool) -> None:
+@click.option("--mode", type=click.Choice(["kill", "pause"]), default="kill", show_default=True,
+              help="kill: SIGKILL at the point, then restart. pause: SIGSTOP there for longer "
+                   "than the lease (a second worker and the sweeper take over), then SIGCONT.")
+def chaos(points: str | None, jobs: int, keep: bool, mode: str) -> None:
     """Crash matrix: per fault point, SIGKILL the owning process there, restart it, and check
-    the exactly-once invariants (Postgres, topics, the fake provider's call counts).
+    the exactly-once invariants (Postgres, topics, the fake provider's call counts). With
+    ``--mode pause`` the pause matrix: the process freezes there past its lease, resumes, and
+    its stale work must be discarded.
 
     Each point runs in a scratch database and topic prefix on the configured servers, with a
     fake OpenAI-compatible provider on loopback. Exits 0 only when every point passed.
     """
     from jobstream import chaos as chaos_mod
     faults = [p.strip() for p in points.split(",") if p.strip()] if points else list(
-        chaos_mod.DEFAULT_PLAN)
+        chaos_mod.PAUSE_PLAN if mode == "pause" else chaos_mod.DEFAULT_PLAN)
     try:
         for f in faults:
             chaos_mod.owner_of(f)
@@ -683,14 +694,15 @@ def chaos(points: str | None, jobs: int, keep: bool) -> None:
                       markup=False)
 
     results = chaos_mod.run_matrix(get_settings(), faults, jobs=jobs, workdir=root / "chaos",
-                                   keep=keep, on_result=show)
-    t = Table(title=f"crash matrix, {jobs} jobs per point")
+                                   keep=keep, on_result=show, mode=mode)
+    t = Table(title=f"{'pause' if mode == 'pause' else 'crash'} matrix, {jobs} jobs per point")
     for c in ("fault", "process", "killed", "seconds", "provider calls", "re-published",
               "retaken stages", "result"):
         t.add_column(c, no_wrap=c == "fault")
     for r in results:
         e = r.effects
-        t.add_row(r.fault, r.owner, str(r.killed_rc), f"{r.seconds:.0f}",
+        t.add_row(r.fault, r.owner, "paused" if r.paused else str(r.killed_rc),
+                  f"{r.seconds:.0f}",
                   str(e.get("provider_calls", "-")), str(e.get("republished", "-")),
                   str(e.get("retaken_stages", "-")), "PASS" if r.ok else "FAIL")
     console.print(t)

@@ -22,7 +22,7 @@ lease_expired_total{stage}                   counter   claims that took over an 
 leases_expired{stage}                        gauge     running stages whose lease expired now
 provider_attempts_total{outcome,model_profile} counter finished provider_attempt rows
 provider_attempts_in_flight{model_profile}   gauge     provider_attempt rows still ``started``
-provider_unknown_outcomes_total{model_profile} counter outcome ``outcome_unknown``
+provider_unknown_outcomes_total{model_profile} counter outcome ``outcome_unknown`` or ``abandoned``
 provider_cost_usd_total{model_profile}       counter   sum(provider_attempt.cost_usd)
 cost_per_accepted_job_usd                    gauge     provider cost (all attempts, all jobs) /
                                                        accepted jobs; NaN before the first
@@ -159,7 +159,7 @@ def postgres_families(snap: dict[str, list[dict[str, Any]]]) -> list[Metric]:
             in_flight.add_metric([profile], int(r["n"]))
             continue
         attempts.add_metric([r["outcome"], profile], int(r["n"]))
-        if r["outcome"] == "outcome_unknown":
+        if r["outcome"] in ("outcome_unknown", "abandoned"):  # abandoned: run died mid-call
             unknown_by[profile] += int(r["n"])
     for profile in sorted(cost_by):
         cost.add_metric([profile], cost_by[profile])

@@ -124,6 +124,11 @@ class Settings(BaseSettings):
     )
     chunk_size_chars: int = Field(4000, ge=200, description="Target chunk size (characters).")
     lease_s: float = Field(120.0, gt=0, description="Stage lease length (seconds).")
+    lease_heartbeat_s: float | None = Field(
+        None, gt=0, description="While a provider call or a Retry-After wait is in progress "
+        "the run renews its lease this often (seconds); unset: lease_s / 4. Must stay below "
+        "lease_s / 3, so two missed heartbeats never lose the lease."
+    )
     document_roots: list[str] = Field(
         default_factory=list,
         description="Directories a document.uploaded may name with a file:// URI (JSON list). "
@@ -306,6 +311,23 @@ class Settings(BaseSettings):
     api_emit_uploaded: bool = Field(
         False, description="The API also writes document.uploaded to the outbox for others."
     )
+
+    @model_validator(mode="after")
+    def _lease_outlives_heartbeats(self) -> Settings:
+        """A lease must survive missed heartbeats: lease_s > 3 x lease_heartbeat_s."""
+        if self.lease_heartbeat_s is not None and self.lease_s <= 3 * self.lease_heartbeat_s:
+            raise ValueError(
+                f"JOBSTREAM_LEASE_S={self.lease_s:g} must exceed 3 x "
+                f"JOBSTREAM_LEASE_HEARTBEAT_S={self.lease_heartbeat_s:g} (a run renews its "
+                "lease every heartbeat; a lease shorter than three heartbeats expires under a "
+                "live run and the stage is taken over). Raise the lease or shorten the "
+                "heartbeat.")
+        return self
+
+    @property
+    def heartbeat_s(self) -> float:
+        """The lease heartbeat in force (seconds): ``lease_heartbeat_s`` or ``lease_s / 4``."""
+        return self.lease_heartbeat_s or self.lease_s / 4
 
     @model_validator(mode="after")
     def _limits_agree(self) -> Settings:

@@ -297,6 +297,66 @@ def _check_budget(ctx: StageContext, claim: Claim, chunk_idx: int) -> int:
     return done + 1
 
 
+class Heartbeat:
+    """Keeps a run's lease alive while it waits on the provider (a call in flight, a
+    Retry-After or backoff wait): :meth:`beat` renews the lease every
+    ``settings.heartbeat_s`` seconds; when the renewal finds the run fenced (taken over, or
+    the job re-driven) :attr:`fenced` turns True and the call in flight is aborted.
+
+    ``should_abort()`` is the provider client's poll (every 0.5 s during a call): it beats and
+    answers True when the run is fenced or the job's cancel was requested.
+    """
+
+    def __init__(self, ctx: StageContext, claim: Claim) -> None:
+        self.ctx = ctx
+        self.claim = claim
+        self.fenced = False
+        self._last = time.monotonic()
+
+    def beat(self) -> None:
+        """Renew the lease if a heartbeat is due. Raises :class:`StaleRun` once fenced."""
+        if self.fenced:
+            raise StaleRun(f"stage {self.claim.stage} of job {self.claim.job['job_id']}: "
+                           "the run was fenced off during a provider wait")
+        if time.monotonic() - self._last < self.ctx.settings.heartbeat_s:
+            return
+        try:
+            self.ctx.store.renew_lease(self.claim, self.ctx.settings.lease_s)
+        except StaleRun:
+            self.fenced = True
+            raise
+        except RetryableError as exc:  # Postgres away for a moment: the lease has slack
+            log.warning("lease heartbeat of job %s failed: %s", self.claim.job["job_id"], exc)
+            return
+        self._last = time.monotonic()
+
+    def should_abort(self) -> bool:
+        """The provider call's poll: True when the run is fenced or the job cancelled."""
+        try:
+            self.beat()
+        except StaleRun:
+            return True
+        return self.ctx.store.cancel_requested(self.claim.job["job_id"])
+
+    def sleep(self, seconds: float) -> None:
+        """Wait ``seconds`` (a Retry-After or backoff), beating meanwhile. Raises
+        :class:`StaleRun` when the run is fenced during the wait."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            time.sleep(min(left, 0.5))
+            self.beat()
+
+
+#: A rough completion size (tokens) for an attempt's cost estimate.
+EST_COMPLETION_TOKENS = 512
+
+
+def estimate_cost_usd(profile: ModelProfile, prompt: str, text: str) -> float:
+    """What one attempt costs if the provider does the work (USD): prompt tokens estimated at
+    4 characters each, plus :data:`EST_COMPLETION_TOKENS`. Billed for ``abandoned`` attempts."""
+    return profile.cost_usd((len(prompt) + len(text)) // 4 + 1, EST_COMPLETION_TOKENS)
+
+
 def _call_provider(ctx: StageContext, claim: Claim, profile: ModelProfile, prompt: str,
                    chunk: dict[str, Any]) -> tuple[dict[str, Any], int]:
     """One chunk through the provider: up to ``provider_max_attempts`` in-process attempts
@@ -316,9 +376,12 @@ def _call_provider(ctx: StageContext, claim: Claim, profile: ModelProfile, promp
     policy = s.outcome_unknown_policy.get(claim.job["lane"], "retry")
     last: Exception | None = None
     retry_after: float | None = None
-    job_id = claim.job["job_id"]
-    # Remote calls poll the cancel flag while in flight (the local model answers at once).
-    abort = (lambda: ctx.store.cancel_requested(job_id)) if profile.base_url else None
+    # Remote calls poll while in flight: the heartbeat renews the lease (so a call longer
+    # than the lease is not taken over and bought twice) and aborts the call once the run is
+    # fenced or the job cancelled. The local model answers at once.
+    hb = Heartbeat(ctx, claim)
+    abort = hb.should_abort if profile.base_url else None
+    est = estimate_cost_usd(profile, prompt, chunk["text"])
     for round_attempt in range(1, s.provider_max_attempts + 1):
         ctx.store.renew_lease(claim, s.lease_s)
         attempt = _check_budget(ctx, claim, chunk["idx"])
@@ -326,12 +389,13 @@ def _call_provider(ctx: StageContext, claim: Claim, profile: ModelProfile, promp
         outcome = "other"
         try:
             attempt_id = ctx.store.start_attempt(claim, chunk_idx=chunk["idx"],
-                                                 attempt=attempt, model=client.model)
+                                                 attempt=attempt, model=client.model,
+                                                 est_cost_usd=est)
             if attempt_id is None:
                 raise JobCancelled("cancelled before the next provider call")
             done, outcome, wait, last, retry_after = _one_attempt(
                 ctx, claim, client, profile, prompt, chunk, attempt_id, abort, policy,
-                round_attempt, retry_after, last)
+                round_attempt, retry_after, last, hb)
         finally:
             if slot is not None:
                 ctx.limiter.release(slot, outcome)
@@ -341,7 +405,7 @@ def _call_provider(ctx: StageContext, claim: Claim, profile: ModelProfile, promp
             break
         log.info("provider attempt %d for job %s chunk %d failed (%s); retrying in %.2fs",
                  attempt, claim.job["job_id"], chunk["idx"], last, wait)
-        time.sleep(wait)
+        hb.sleep(wait)  # a Retry-After may outlast the lease: keep it alive meanwhile
     raise RetryableError(f"provider still failing after {round_attempt} attempts: {last}",
                          code="provider_unavailable", retry_after_s=retry_after)
 
@@ -365,7 +429,8 @@ def _take_slot(ctx: StageContext, claim: Claim, profile: ModelProfile) -> Slot:
 
 def _one_attempt(ctx: StageContext, claim: Claim, client: ProviderClient, profile: ModelProfile,
                  prompt: str, chunk: dict[str, Any], attempt_id: int, abort: Any, policy: str,
-                 round_attempt: int, retry_after: float | None, last: Exception | None
+                 round_attempt: int, retry_after: float | None, last: Exception | None,
+                 hb: Heartbeat | None = None
                  ) -> tuple[Any, str, float, Exception | None, float | None]:
     """One provider request and its record. Returns ``(answer or None, limiter outcome,
     wait before the next attempt (s), last error, retry_after)``; raises what must end the
@@ -377,6 +442,12 @@ def _one_attempt(ctx: StageContext, claim: Claim, client: ProviderClient, profil
                                idempotency_key=f"{job_id}:{chunk['idx']}",
                                should_abort=abort)
     except CallCancelled as exc:
+        if hb is not None and hb.fenced:
+            # Fenced mid-call: the answer could not be used any more. The provider may still
+            # do (and bill) the work: an unknown outcome, billed at the estimate.
+            ctx.store.close_attempt(attempt_id)
+            raise StaleRun(f"chunk {chunk['idx']}: run fenced off during the provider call; "
+                           "call stopped") from None
         # "External call cancelled": a fact of the attempt, not of the job.
         ctx.store.finish_attempt(attempt_id, outcome="cancelled", error=str(exc))
         raise JobCancelled(f"chunk {chunk['idx']}: {exc}") from None
@@ -660,14 +731,19 @@ CONSUMES = {spec.stage: spec.consumes for spec in SPECS.values()}
 
 
 def redrive(ctx: StageContext, job_id: uuid.UUID, from_stage: str | None = None,
-            allowed: tuple[str, ...] = ("failed", "needs_reconciliation", "succeeded")) -> str:
+            allowed: tuple[str, ...] = ("failed", "needs_reconciliation", "succeeded"),
+            fence: tuple[str, uuid.UUID, float] | None = None) -> str:
     """Send a job through its stages again from ``from_stage`` (default: the first stage that
     is not succeeded, else the first stage). Finished stages whose code version is unchanged are
     re-emitted, not redone; a stage that re-runs invalidates the stages after it. A result that
     was already applied downstream is not applied again (same dedup_key).
 
-    Returns the stage the job restarts at. Raises ``KeyError`` (no job / unknown stage) and
-    ``ValueError`` (job status not in ``allowed``, or nothing to restart from).
+    Runs of the re-driven stages still in progress are fenced at once (see
+    :meth:`Store.redrive`); ``fence=(stage, run_token, grace_s)`` is the sweeper's re-check.
+
+    Returns the stage the job restarts at. Raises ``KeyError`` (no job / unknown stage),
+    ``ValueError`` (job status not in ``allowed``, or nothing to restart from) and
+    :class:`StaleRun` (``fence`` no longer holds).
     """
     def plan(job: dict[str, Any], rows: dict[str, Any]) -> tuple[Any, ...]:
         nonlocal from_stage
@@ -688,7 +764,7 @@ def redrive(ctx: StageContext, job_id: uuid.UUID, from_stage: str | None = None,
         return (_msg(ctx, ev, job["lane"]), stages_from, [ctx.group(st) for st in stages_from],
                 [CONSUMES[st] for st in stages_from])
 
-    ctx.store.redrive(job_id, plan=plan, allowed=allowed)
+    ctx.store.redrive(job_id, plan=plan, allowed=allowed, fence=fence)
     assert from_stage is not None
     return from_stage
 
@@ -736,32 +812,49 @@ def give_up(ctx: StageContext, ev: Any, error_code: str, error: str) -> bool:
 
 
 def sweep(ctx: StageContext) -> list[str]:
-    """Un-stick jobs: every stage whose lease expired more than ``sweep_grace_s`` ago is
-    re-driven (its input event is written to the outbox again), or, after
-    ``max_stage_attempts`` runs, failed with ``stage_attempts_exhausted``. Returns one line per
-    action. A crash must never leave a job stuck forever."""
+    """Un-stick jobs, idempotently: every stage whose lease expired more than
+    ``sweep_grace_s`` ago (times ``2 ** sweeps`` of its job: a per-job backoff) is re-driven
+    ONCE: the re-drive re-checks, in its own transaction, that the run it saw still owns the
+    stage under an expired lease, fences that run (stage back to pending, new generation) and
+    writes the stage's input event to the outbox again. A run that renewed its lease, was taken
+    over or was already re-driven is left alone. After ``max_stage_attempts`` runs (every claim
+    counts one, a re-driven run included) the stage and job fail with
+    ``stage_attempts_exhausted`` instead. Finally, orphan provider attempts are closed
+    ``abandoned`` (:meth:`Store.close_orphans`).
+
+    Returns one line per action. A crash or a pause must never leave a job stuck forever.
+    Raises :class:`RetryableError` when Postgres is unavailable.
+    """
     actions = []
-    for row in ctx.store.expired_leases(ctx.settings.sweep_grace_s):
-        job_id, stage = row["job_id"], row["stage"]
+    grace = ctx.settings.sweep_grace_s
+    for row in ctx.store.expired_leases(grace):
+        job_id, stage, seen = row["job_id"], row["stage"], row["run_token"]
         try:
             if row["attempt"] >= ctx.settings.max_stage_attempts:
                 job = ctx.store.job(job_id)
                 assert job is not None
-                claim = Claim(job, stage, row["run_token"], row["attempt"], row["lease_until"])
+                error = f"{row['attempt']} runs of {stage} died or hung"
                 ev = JobFailed(tenant_id=job["tenant_id"], idempotency_key=job["idempotency_key"],
                                job_id=job_id, dedup_key=job["dedup_key"],
                                request_id=job["request_id"], generation=job["generation"],
                                payload=JobFailedPayload(stage=stage,
                                                         error_code="stage_attempts_exhausted",
-                                                        error=f"{row['attempt']} runs died"))
-                ctx.store.fail(claim, error_code="stage_attempts_exhausted",
-                               error=f"{row['attempt']} runs of {stage} died or hung",
-                               group=ctx.group(stage), event_type=CONSUMES[stage],
-                               event_id=uuid.uuid4(), failed_msg=_msg(ctx, ev))
+                                                        error=error))
+                ctx.store.fail_expired(job_id, stage=stage, run_token=seen, grace_s=grace,
+                                       error_code="stage_attempts_exhausted", error=error,
+                                       failed_msg=_msg(ctx, ev))
                 actions.append(f"failed {job_id} at {stage}")
             else:
-                redrive(ctx, job_id, from_stage=stage, allowed=("queued", "running"))
+                redrive(ctx, job_id, from_stage=stage, allowed=("queued", "running"),
+                        fence=(stage, seen, grace))
                 actions.append(f"re-drove {job_id} from {stage}")
         except (StaleRun, ValueError, KeyError) as exc:
             log.info("sweeper skipped %s/%s: %s", job_id, stage, exc)
+        except RetryableError as exc:  # a row lock held too long (lock_timeout): next pass
+            log.warning("sweeper postponed %s/%s: %s", job_id, stage, exc)
+    try:
+        if closed := ctx.store.close_orphans():
+            actions.append(f"closed {closed} orphan provider attempts (abandoned)")
+    except RetryableError as exc:
+        log.warning("sweeper postponed closing orphan attempts: %s", exc)
     return actions

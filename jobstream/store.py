@@ -42,13 +42,20 @@ class IntakeResult:
 
 @dataclass(frozen=True)
 class Claim:
-    """A claimed stage run: the fencing token (``run_token``), attempt number and lease end."""
+    """A claimed stage run: the fencing token (``run_token``), attempt number and lease end.
+    The run's generation is ``job["generation"]`` (the job row read under the claim's lock):
+    every move of the run is fenced by run token AND generation."""
 
     job: dict[str, Any]
     stage: str
     run_token: uuid.UUID
     attempt: int
     lease_until: datetime
+
+    @property
+    def generation(self) -> int:
+        """The job generation this run belongs to (a redrive starts a new one)."""
+        return int(self.job["generation"])
 
 
 @dataclass(frozen=True)
@@ -297,16 +304,20 @@ class Store:
         fencing token (also when the checkpoint was made by another code version). An event of
         an older ``generation`` than the job's (in flight before a redrive) is skipped as
         ``superseded`` without being recorded, so the new generation's event is not taken for
-        its duplicate.
+        its duplicate. The generation is checked BEFORE the idempotent-consumer row: an old
+        generation's event is ``superseded``, whatever a stale run may have recorded.
+
+        A claim that takes the stage over closes the orphan attempts of the runs it replaces
+        (``abandoned``, see :meth:`close_orphans`).
         """
         with self.tx() as conn:
-            if conn.execute(Q["is_processed"], (group, dedup_key, event_type)).fetchone():
-                return Skip("duplicate")
             job = conn.execute(Q["get_job_for_update"], (job_id,)).fetchone()
             if job is None:
                 return Skip("unknown_job")
             if generation < job["generation"]:
                 return Skip("superseded")
+            if conn.execute(Q["is_processed"], (group, dedup_key, event_type)).fetchone():
+                return Skip("duplicate")
             if job["status"] in (*TERMINAL, "needs_reconciliation") or job["cancel_requested"]:
                 if job["cancel_requested"]:
                     conn.execute(Q["cancel_job"], (job_id,))
@@ -325,6 +336,7 @@ class Store:
                 if cur["status"] in ("failed", "needs_reconciliation"):
                     return Skip("terminal")
                 return LeaseHeld(cur["lease_until"])
+            conn.execute(Q["close_orphan_attempts"], {"job_id": job_id, "stage": stage})
             return Claim(dict(job), stage, row["run_token"], row["attempt"], row["lease_until"])
 
     def reemit(self, *, job: dict[str, Any], group: str, event_type: str,
@@ -342,12 +354,25 @@ class Store:
             return True
 
     def renew_lease(self, claim: Claim, lease_s: float) -> None:
-        """Extend the lease of a running claim. Raises :class:`StaleRun` if it was taken over."""
+        """Extend the lease of a running claim by ``lease_s`` seconds from now. Raises
+        :class:`StaleRun` if the run was fenced (taken over, or the job re-driven)."""
         with self.tx() as conn:
-            row = conn.execute(Q["renew_lease"], (lease_s, claim.job["job_id"], claim.stage,
-                                                  claim.run_token)).fetchone()
+            row = conn.execute(Q["renew_lease"], {
+                "lease_s": lease_s, "job_id": claim.job["job_id"], "stage": claim.stage,
+                "run_token": claim.run_token, "generation": claim.generation}).fetchone()
         if row is None:
             raise StaleRun(f"stage {claim.stage} of job {claim.job['job_id']} has a newer run")
+
+    @staticmethod
+    def _fence(conn: psycopg.Connection, claim: Claim) -> None:
+        """Lock the job row and check the run's generation (the run token is checked by the
+        fenced UPDATE that follows). Raises :class:`StaleRun` when a redrive started a newer
+        generation: the caller's transaction then writes nothing."""
+        row = conn.execute(Q["job_generation_for_update"], (claim.job["job_id"],)).fetchone()
+        if row is None or row["generation"] != claim.generation:
+            raise StaleRun(f"stage {claim.stage} of job {claim.job['job_id']}: run "
+                           f"{claim.run_token} of generation {claim.generation} was fenced off "
+                           "by a redrive; result discarded")
 
     def complete(self, claim: Claim, *, output: Any, input_hash: str, code_version: str,
                  cost_usd: float, group: str, event_type: str, event_id: uuid.UUID,
@@ -364,6 +389,7 @@ class Store:
         job_id = claim.job["job_id"]
         emitted = json.loads(next_msg.value)["payload"]
         with self.tx() as conn:
+            self._fence(conn, claim)
             cur = conn.execute(Q["complete_stage"], {
                 "output": Jsonb(output), "input_hash": input_hash, "code_version": code_version,
                 "cost_usd": cost_usd, "job_id": job_id, "stage": claim.stage,
@@ -392,6 +418,7 @@ class Store:
         row. Raises :class:`StaleRun` when the run was fenced off."""
         job_id = claim.job["job_id"]
         with self.tx() as conn:
+            self._fence(conn, claim)
             cur = conn.execute(Q["fail_stage"], {"error_code": error_code, "error": error[:4000],
                                                  "job_id": job_id, "stage": claim.stage,
                                                  "run_token": claim.run_token})
@@ -405,6 +432,10 @@ class Store:
     def release(self, claim: Claim, *, error_code: str, error: str) -> None:
         """Give a stage back after a transient failure (fenced; no-op if fenced off)."""
         with self.tx() as conn:
+            try:
+                self._fence(conn, claim)
+            except StaleRun:
+                return
             conn.execute(Q["release_stage"], {"error_code": error_code, "error": error[:4000],
                                               "job_id": claim.job["job_id"],
                                               "stage": claim.stage,
@@ -454,7 +485,9 @@ class Store:
         Raises :class:`StaleRun` when the run was fenced off."""
         job_id = claim.job["job_id"]
         with self.tx() as conn:
-            cur = conn.execute(Q["cancel_stage"], (job_id, claim.stage, claim.run_token))
+            self._fence(conn, claim)
+            cur = conn.execute(Q["cancel_stage"], (job_id, claim.stage, claim.run_token,
+                                                   claim.generation))
             if cur.rowcount != 1:
                 raise StaleRun(f"stage {claim.stage} of job {job_id} has a newer run")
             conn.execute(Q["cancel_job"], (job_id,))
@@ -468,6 +501,7 @@ class Store:
         Raises :class:`StaleRun` when the run was fenced off."""
         job_id = claim.job["job_id"]
         with self.tx() as conn:
+            self._fence(conn, claim)
             cur = conn.execute(Q["park_stage"], {"error_code": error_code, "error": error[:4000],
                                                  "job_id": job_id, "stage": claim.stage,
                                                  "run_token": claim.run_token})
@@ -477,7 +511,8 @@ class Store:
             conn.execute(Q["record_processed"], (group, claim.job["dedup_key"], event_type,
                                                  event_id, job_id))
 
-    def redrive(self, job_id: uuid.UUID, *, plan: Any, allowed: tuple[str, ...]) -> str:
+    def redrive(self, job_id: uuid.UUID, *, plan: Any, allowed: tuple[str, ...],
+                fence: tuple[str, uuid.UUID, float] | None = None) -> str:
         """Re-drive a job (ONE transaction): forget the stage workers' idempotent-consumer rows
         for the job, reopen failed or parked stages, reopen the job, and write the first
         stage's input event to the outbox.
@@ -486,23 +521,80 @@ class Store:
         to restart: the event to write (of generation ``job["generation"] + 1``: the job's new
         generation), the stages to reopen and the (group, event type) rows to forget.
         Succeeded stages keep their checkpoints: they are re-emitted, not redone, unless
-        their code version changed. Returns the job's previous status. Raises ``KeyError`` (no
-        such job) or ``ValueError`` (status not in ``allowed``).
+        their code version changed. Running stages among them are reset too: the runs they
+        replace are fenced in this transaction (their run tokens and generation stop being
+        valid), and their orphan attempts are closed ``abandoned``.
+
+        ``fence=(stage, run_token, grace_s)`` (the sweeper): re-check, in this transaction,
+        that ``run_token`` still owns ``stage`` under a lease expired over ``grace_s`` seconds
+        (times the job's sweep backoff) ago; the re-drive counts one sweep of the job. Returns
+        the job's previous status. Raises ``KeyError`` (no such job), ``ValueError`` (status not
+        in ``allowed``) or :class:`StaleRun` (``fence`` no longer holds: nothing written).
         """
         with self.tx() as conn:
+            if fence is not None:  # the sweeper: never stall behind a frozen transaction
+                conn.execute(Q["sweeper_lock_timeout"])
             job = conn.execute(Q["get_job_for_update"], (job_id,)).fetchone()
             if job is None:
                 raise KeyError(f"no job {job_id}")
             if job["status"] not in allowed:
                 raise ValueError(f"job {job_id} is {job['status']}; redrive needs one of "
                                  f"{list(allowed)}")
+            if fence is not None:
+                self._fence_expired(conn, job_id, *fence)
+                conn.execute(Q["count_sweep"], (job_id,))
             rows = {r["stage"]: r for r in conn.execute(Q["list_stages"], (job_id,))}
             msg, stages, groups, event_types = plan(dict(job), rows)
             conn.execute(Q["forget_processed"], (job["dedup_key"], groups, event_types))
             conn.execute(Q["reopen_stages"], (job_id, list(stages)))
             conn.execute(Q["reopen_job"], (job["generation"] + 1, job_id))
+            for st in stages:
+                conn.execute(Q["close_orphan_attempts"], {"job_id": job_id, "stage": st})
             self.add_outbox(conn, msg)
             return str(job["status"])
+
+    @staticmethod
+    def _fence_expired(conn: psycopg.Connection, job_id: uuid.UUID, stage: str,
+                       run_token: uuid.UUID, grace_s: float) -> int:
+        """Fence the expired run ``run_token`` of ``stage`` (stage back to pending) if it still
+        owns it with a lease expired past the grace; returns its attempt number. Raises
+        :class:`StaleRun` when the run renewed, was taken over or was already re-driven."""
+        row = conn.execute(Q["fence_expired_run"], {
+            "job_id": job_id, "stage": stage, "run_token": run_token,
+            "grace_s": grace_s}).fetchone()
+        if row is None:
+            raise StaleRun(f"stage {stage} of job {job_id}: run {run_token} renewed its lease, "
+                           "was taken over or was already re-driven")
+        return int(row["attempt"])
+
+    def fail_expired(self, job_id: uuid.UUID, *, stage: str, run_token: uuid.UUID,
+                     grace_s: float, error_code: str, error: str,
+                     failed_msg: OutboxMessage) -> None:
+        """The sweeper's end of a stage out of runs (ONE transaction): re-check that the
+        expired run still owns the stage (as :meth:`redrive` with ``fence``), then fail the
+        stage and the job with ``job.failed``, closing the run's orphan attempts. Raises
+        :class:`StaleRun` (nothing written) when the re-check fails."""
+        with self.tx() as conn:
+            conn.execute(Q["sweeper_lock_timeout"])
+            job = conn.execute(Q["get_job_for_update"], (job_id,)).fetchone()
+            if job is None or job["status"] in TERMINAL:
+                raise StaleRun(f"job {job_id} is gone or finished")
+            self._fence_expired(conn, job_id, stage, run_token, grace_s)
+            conn.execute(Q["fail_open_job"], (error_code, error[:4000], job_id, stage))
+            conn.execute(Q["fail_job"], (error_code, error[:4000], job_id))
+            conn.execute(Q["close_orphan_attempts"], {"job_id": job_id, "stage": stage})
+            self.add_outbox(conn, failed_msg)
+
+    def close_orphans(self) -> int:
+        """Close every orphan provider attempt: ``started`` by a run that no longer owns its
+        stage (fenced, taken over, re-driven, finished). Each becomes ``abandoned``, billed at
+        its estimate (USD) for the budget. Returns how many were closed (the sweeper's pass)."""
+        n = 0
+        with self.tx() as conn:
+            conn.execute(Q["sweeper_lock_timeout"])
+            for r in conn.execute(Q["orphan_attempt_stages"]).fetchall():
+                n += conn.execute(Q["close_orphan_attempts"], dict(r)).rowcount
+        return n
 
     def fail_parked(self, job_id: uuid.UUID, *, error_code: str, error: str,
                     failed_msg: OutboxMessage) -> None:
@@ -553,26 +645,45 @@ class Store:
     # ------------------------------------------------------------------ provider log
 
     def start_attempt(self, claim: Claim, *, chunk_idx: int, attempt: int,
-                      model: str) -> int | None:
-        """Record a provider attempt as ``started`` (committed before the request is sent).
-        Returns ``None`` (and records nothing) when the job's cancel was committed first."""
+                      model: str, est_cost_usd: float = 0.0) -> int | None:
+        """Record a provider attempt as ``started`` (committed before the request is sent),
+        fenced by run token and generation. ``est_cost_usd``: what the attempt costs if the
+        provider does the work (USD; billed if the attempt is ever ``abandoned``).
+        Returns ``None`` (and records nothing) when the job's cancel was committed first.
+        Raises :class:`StaleRun` when the run no longer owns the stage: no call is made."""
         with self.tx() as conn:
-            row = conn.execute(Q["start_provider_attempt"], (
-                claim.stage, chunk_idx, attempt, claim.run_token, claim.job["model_profile"],
-                model, claim.job["job_id"])).fetchone()
-        return int(row["attempt_id"]) if row else None
+            row = conn.execute(Q["start_provider_attempt"], {
+                "stage": claim.stage, "chunk_idx": chunk_idx, "attempt": attempt,
+                "run_token": claim.run_token, "model_profile": claim.job["model_profile"],
+                "model": model, "est_cost_usd": est_cost_usd, "job_id": claim.job["job_id"],
+                "generation": claim.generation}).fetchone()
+            if row:
+                return int(row["attempt_id"])
+            cancel = conn.execute(Q["cancel_requested"], (claim.job["job_id"],)).fetchone()
+        if cancel and cancel["cancel_requested"]:
+            return None
+        raise StaleRun(f"stage {claim.stage} of job {claim.job['job_id']}: run "
+                       f"{claim.run_token} was fenced off before its provider call")
 
     def finish_attempt(self, attempt_id: int, *, outcome: str, status_code: int | None = None,
                        latency_ms: float | None = None, prompt_tokens: int | None = None,
                        completion_tokens: int | None = None, cost_usd: float = 0.0,
                        error: str | None = None) -> None:
         """Record the outcome of a provider attempt (``succeeded``, ``transient_error``,
-        ``permanent_error``, ``outcome_unknown`` or ``cancelled``)."""
+        ``permanent_error``, ``outcome_unknown``, ``cancelled``, ``discarded`` or
+        ``abandoned``); a finished attempt keeps its outcome, an ``abandoned`` one takes the
+        real one (cost in USD)."""
         with self.tx() as conn:
             conn.execute(Q["finish_provider_attempt"], {
                 "outcome": outcome, "status_code": status_code, "latency_ms": latency_ms,
                 "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "cost_usd": cost_usd, "error": error and error[:2000], "attempt_id": attempt_id})
+
+    def close_attempt(self, attempt_id: int) -> None:
+        """Close a ``started`` attempt as ``abandoned`` (its run stopped the call because it
+        was fenced), billed at its estimate (USD)."""
+        with self.tx() as conn:
+            conn.execute(Q["abandon_attempt"], (attempt_id,))
 
     def stage_provider_cost(self, job_id: uuid.UUID, stage: str) -> tuple[float, int]:
         """``(cost_usd, attempts)`` of every provider attempt of a job's stage, all runs."""
@@ -588,18 +699,26 @@ class Store:
         """Record a succeeded provider attempt AND keep the chunk's model output, in ONE
         transaction (the output fenced by the run token): a ``succeeded`` attempt always has its
         output stored, so a retry after a crash or a Postgres outage between the two never pays
-        for the chunk a second time. When a newer run owns the stage the attempt's outcome is
-        still committed (it was paid for) and :class:`StaleRun` is raised."""
+        for the chunk a second time. When a newer run or generation owns the stage the answer
+        is recorded as ``discarded`` (cost kept: it was paid for), the output is dropped and
+        :class:`StaleRun` is raised. When the run still owns the stage but the chunk was
+        answered meanwhile (a paused run's transaction committed late) the answer is
+        ``discarded`` too and the run goes on with the saved output."""
+        fence = {"job_id": claim.job["job_id"], "stage": claim.stage,
+                 "run_token": claim.run_token, "generation": claim.generation}
         with self.tx() as conn:
-            conn.execute(Q["finish_provider_attempt"], {
-                "outcome": "succeeded", "status_code": status_code, "latency_ms": latency_ms,
-                "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "cost_usd": cost_usd, "error": None, "attempt_id": attempt_id})
             cur = conn.execute(Q["save_chunk_output"], {
-                "output": Jsonb(output), "attempt_id": attempt_id, "job_id": claim.job["job_id"],
-                "idx": idx, "run_token": claim.run_token})
+                "output": Jsonb(output), "attempt_id": attempt_id, "idx": idx, **fence})
             saved = cur.rowcount == 1
-        if not saved:
+            owner = saved or conn.execute(Q["run_owns_stage"], fence).fetchone() is not None
+            conn.execute(Q["finish_provider_attempt"], {
+                "outcome": "succeeded" if saved else "discarded", "status_code": status_code,
+                "latency_ms": latency_ms, "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens, "cost_usd": cost_usd,
+                "error": None if saved else ("chunk answered meanwhile: discarded" if owner
+                                             else "answer of a fenced run: discarded"),
+                "attempt_id": attempt_id})
+        if not owner:
             raise StaleRun(f"LLM stage of job {claim.job['job_id']} has a newer run")
 
     # ------------------------------------------------------------------ metrics

@@ -89,9 +89,68 @@ ON CONFLICT (job_id, stage) DO UPDATE
 RETURNING attempt, run_token, lease_until;
 
 -- name: renew_lease
-UPDATE job_stage SET lease_until = now() + make_interval(secs => %s), updated_at = now()
- WHERE job_id = %s AND stage = %s AND run_token = %s AND status = 'running'
+-- Fenced by run token AND generation: a run of an older generation renews nothing.
+UPDATE job_stage s
+   SET lease_until = now() + make_interval(secs => %(lease_s)s), updated_at = now()
+ WHERE s.job_id = %(job_id)s AND s.stage = %(stage)s AND s.run_token = %(run_token)s
+   AND s.status = 'running'
+   AND EXISTS (SELECT 1 FROM job j WHERE j.job_id = s.job_id
+                AND j.generation = %(generation)s)
 RETURNING lease_until;
+
+-- name: job_generation_for_update
+-- The fence of every terminal move of a run: the job row locked (a redrive takes the same
+-- lock to bump the generation), so "generation unchanged" holds until commit.
+SELECT generation, status FROM job WHERE job_id = %s FOR UPDATE;
+
+-- name: close_orphan_attempts
+-- Attempts left 'started' by runs of (job, stage) that no longer own it (fenced, taken over,
+-- re-driven, or the stage finished): closed 'abandoned', billed at their estimate (an unknown
+-- outcome: the provider may have done the work). A later real answer replaces the estimate.
+UPDATE provider_attempt a
+   SET outcome = 'abandoned', cost_usd = a.est_cost_usd, finished_at = now(),
+       error = 'run fenced or dead before the answer was recorded'
+ WHERE a.job_id = %(job_id)s AND a.stage = %(stage)s AND a.outcome = 'started'
+   AND NOT EXISTS (SELECT 1 FROM job_stage s
+                    WHERE s.job_id = a.job_id AND s.stage = a.stage
+                      AND s.run_token = a.run_token AND s.status = 'running')
+RETURNING attempt_id;
+
+-- name: orphan_attempt_stages
+-- (job, stage) pairs holding an orphan attempt (see close_orphan_attempts), for the sweeper.
+SELECT DISTINCT a.job_id, a.stage FROM provider_attempt a
+ WHERE a.outcome = 'started'
+   AND NOT EXISTS (SELECT 1 FROM job_stage s
+                    WHERE s.job_id = a.job_id AND s.stage = a.stage
+                      AND s.run_token = a.run_token AND s.status = 'running')
+ LIMIT 100;
+
+-- name: fence_expired_run
+-- The sweeper's re-check, in the transaction that re-drives: the run it saw is still the
+-- stage's owner and its lease still expired past the job's backoff. Zero rows: renewed, taken
+-- over or already re-driven; nothing to do. Resets the stage to pending (the run is fenced).
+UPDATE job_stage s
+   SET status = 'pending', run_token = NULL, lease_until = NULL, updated_at = now(),
+       error_code = 'lease_expired', error = 'the run stopped renewing its lease'
+  FROM job j
+ WHERE s.job_id = %(job_id)s AND s.stage = %(stage)s AND s.run_token = %(run_token)s
+   AND s.status = 'running' AND j.job_id = s.job_id
+   AND s.lease_until < now() - make_interval(secs => %(grace_s)s * power(2, least(j.sweeps, 6)))
+RETURNING s.attempt;
+
+-- name: run_owns_stage
+-- Does the run (token, generation) still own its stage? (Why a fenced write matched no row.)
+SELECT 1 AS owns FROM job_stage s JOIN job j USING (job_id)
+ WHERE s.job_id = %(job_id)s AND s.stage = %(stage)s AND s.run_token = %(run_token)s
+   AND s.status = 'running' AND j.generation = %(generation)s;
+
+-- name: sweeper_lock_timeout
+-- The sweeper never waits long on a row lock (a frozen process may hold one for minutes): the
+-- job is skipped this pass instead of stalling every other one.
+SET LOCAL lock_timeout = '2s';
+
+-- name: count_sweep
+UPDATE job SET sweeps = sweeps + 1, swept_at = now() WHERE job_id = %s;
 
 -- name: complete_stage
 -- Fenced completion: zero rows means a newer run owns the stage; its caller rolls back.
@@ -138,7 +197,8 @@ SELECT cancel_requested FROM job WHERE job_id = %s;
 UPDATE job_stage SET status = 'failed', error_code = 'cancelled_by_user',
                      error = 'cancelled by user', lease_until = NULL, finished_at = now(),
                      updated_at = now()
- WHERE job_id = %s AND stage = %s AND run_token = %s AND status = 'running';
+ WHERE job_id = %s AND stage = %s AND run_token = %s AND status = 'running'
+   AND EXISTS (SELECT 1 FROM job j WHERE j.job_id = job_stage.job_id AND j.generation = %s);
 
 -- name: request_cancel
 -- "Cancelled by user": the flag workers check between and during stages.
@@ -193,9 +253,12 @@ DELETE FROM processed_event
  WHERE dedup_key = %s AND consumer_group = ANY(%s) AND event_type = ANY(%s);
 
 -- name: reopen_stages
+-- A redrive fences the runs it replaces: a running stage is reset too, so the old run token
+-- stops being valid in this very transaction.
 UPDATE job_stage SET status = 'pending', run_token = NULL, lease_until = NULL,
                      error_code = NULL, error = NULL, updated_at = now()
- WHERE job_id = %s AND stage = ANY(%s) AND status IN ('failed', 'needs_reconciliation');
+ WHERE job_id = %s AND stage = ANY(%s)
+   AND status IN ('failed', 'needs_reconciliation', 'running');
 
 -- name: reopen_job
 UPDATE job SET status = 'running', error_code = NULL, error = NULL, finished_at = NULL,
@@ -209,9 +272,11 @@ UPDATE job_stage SET status = 'failed', error_code = %s, error = %s, updated_at 
 -- name: expired_leases
 -- Stages whose run died (lease expired long ago) while their job is still open: the sweeper
 -- re-drives them so a crash never leaves a job stuck.
+-- A job re-driven before waits longer: grace * 2^sweeps (per-job backoff, capped at 2^6).
 SELECT s.job_id, s.stage, s.run_token, s.attempt, s.lease_until FROM job_stage s
   JOIN job j USING (job_id)
- WHERE s.status = 'running' AND s.lease_until < now() - make_interval(secs => %s)
+ WHERE s.status = 'running'
+   AND s.lease_until < now() - make_interval(secs => %s * power(2, least(j.sweeps, 6)))
    AND j.status IN ('queued', 'running')
  ORDER BY s.lease_until LIMIT 100;
 
@@ -254,24 +319,42 @@ UPDATE chunk c SET llm_output = %(output)s, llm_attempt_id = %(attempt_id)s
  WHERE c.job_id = %(job_id)s AND c.idx = %(idx)s AND c.llm_output IS NULL
    AND EXISTS (SELECT 1 FROM job_stage s
                 WHERE s.job_id = c.job_id AND s.stage = 'llm_done'
-                  AND s.run_token = %(run_token)s AND s.status = 'running');
+                  AND s.run_token = %(run_token)s AND s.status = 'running')
+   AND EXISTS (SELECT 1 FROM job j WHERE j.job_id = c.job_id
+                AND j.generation = %(generation)s);
 
 -- name: start_provider_attempt
 -- Written (and committed) before the request is sent: a crash mid-call leaves 'started'. Not
 -- written once the job's cancel is committed: FOR SHARE serialises it with the cancel's UPDATE,
 -- so no provider call starts after a committed cancel.
-INSERT INTO provider_attempt (job_id, stage, chunk_idx, attempt, run_token, model_profile, model)
-SELECT j.job_id, %s, %s, %s, %s, %s, %s FROM job j
- WHERE j.job_id = %s AND NOT j.cancel_requested
+-- Fenced: only while the run owns the stage under the job's generation (else no row, and the
+-- caller asks start_attempt_blocker why).
+INSERT INTO provider_attempt (job_id, stage, chunk_idx, attempt, run_token, model_profile, model,
+                              est_cost_usd)
+SELECT j.job_id, %(stage)s, %(chunk_idx)s, %(attempt)s, %(run_token)s, %(model_profile)s,
+       %(model)s, %(est_cost_usd)s
+  FROM job j
+ WHERE j.job_id = %(job_id)s AND NOT j.cancel_requested AND j.generation = %(generation)s
+   AND EXISTS (SELECT 1 FROM job_stage s WHERE s.job_id = j.job_id AND s.stage = %(stage)s
+                AND s.run_token = %(run_token)s AND s.status = 'running')
    FOR SHARE OF j
 RETURNING attempt_id;
 
 -- name: finish_provider_attempt
+-- A finished attempt keeps its outcome; an 'abandoned' one (closed while its run was paused)
+-- takes the real outcome and cost when the answer arrives after all.
 UPDATE provider_attempt
    SET outcome = %(outcome)s, status_code = %(status_code)s, latency_ms = %(latency_ms)s,
        prompt_tokens = %(prompt_tokens)s, completion_tokens = %(completion_tokens)s,
        cost_usd = %(cost_usd)s, error = %(error)s, finished_at = now()
- WHERE attempt_id = %(attempt_id)s;
+ WHERE attempt_id = %(attempt_id)s AND outcome IN ('started', 'abandoned');
+
+-- name: abandon_attempt
+-- The run stopped its own call because it was fenced: unknown outcome, billed at the estimate.
+UPDATE provider_attempt
+   SET outcome = 'abandoned', cost_usd = est_cost_usd, finished_at = now(),
+       error = 'call stopped: the run was fenced off'
+ WHERE attempt_id = %s AND outcome = 'started';
 
 -- name: count_provider_attempts
 SELECT count(*) AS n FROM provider_attempt WHERE job_id = %s AND stage = %s AND chunk_idx = %s;
@@ -638,8 +721,11 @@ SELECT a.attempt_id, a.job_id, a.stage, a.chunk_idx, a.attempt, a.run_token, a.o
   FROM provider_attempt a JOIN job j USING (job_id) WHERE j.tenant_id = %s;
 
 -- name: inv_outbox
--- The outbox rows of a tenant's jobs (the Kafka key is the job id).
-SELECT o.id, o.event_id, o.event_type, o.kafka_key, o.published_at IS NOT NULL AS published
+-- The outbox rows of a tenant's jobs (the Kafka key is the job id), with the event's job
+-- generation (a re-drive writes the stage's input event again, one generation up).
+SELECT o.id, o.event_id, o.event_type, o.kafka_key, o.published_at IS NOT NULL AS published,
+       coalesce((convert_from(o.payload, 'UTF8')::jsonb ->> 'generation')::int, 0)
+           AS generation
   FROM outbox o JOIN job j ON o.kafka_key = j.job_id::text WHERE j.tenant_id = %s;
 
 -- name: inv_processed

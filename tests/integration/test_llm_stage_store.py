@@ -72,7 +72,7 @@ def test_a_fenced_off_answer_is_logged_as_paid_but_never_becomes_the_chunks_outp
                                         completion_tokens=5, cost_usd=0.001)
     [a] = query(url, "SELECT outcome, cost_usd FROM provider_attempt WHERE attempt_id = %s",
                 (attempt,))
-    assert a["outcome"] == "succeeded" and float(a["cost_usd"]) == 0.001  # billed: logged
+    assert a["outcome"] == "discarded" and float(a["cost_usd"]) == 0.001  # billed: logged
     [c] = query(url, "SELECT llm_output, llm_attempt_id FROM chunk WHERE idx = 0")
     assert c == {"llm_output": None, "llm_attempt_id": None}
 

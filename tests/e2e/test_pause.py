@@ -1,0 +1,195 @@
+"""Paused processes, long calls and dead runs (issue 11): nothing stuck, nothing bought twice.
+
+Real processes throughout (relay with its sweeper, stage workers, the downstream applier), the
+fake provider on loopback, SIGSTOP/SIGCONT and SIGKILL sent for real:
+
+- the reproduction of "a paused worker strands jobs forever": a worker frozen mid-call (a real
+  SIGSTOP, or the fault point ``llm_after_provider_before_checkpoint=stop``) past lease + sweep
+  grace, then resumed, with or without a second worker joining: the job succeeds, is applied
+  once, no operator command;
+- a 25 s provider call under an 8 s lease is made exactly once (the heartbeat keeps the lease);
+- a killed run's attempt is closed ``abandoned`` (no orphan ``started`` row);
+- the pause matrix of ``jobstream chaos --mode pause`` at a small size, every point.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jobstream import chaos
+from jobstream.llm.fake_provider import FakeProvider
+from jobstream.producer import submit, uploaded_event
+from jobstream.settings import Settings
+from tests.helpers import Proc, ProcessRunner, query, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+def _state(p: Proc) -> str:
+    """The process state letter from /proc (``T`` = stopped)."""
+    with open(f"/proc/{p.popen.pid}/stat") as fh:
+        return fh.read().rsplit(")", 1)[1].split()[0]
+
+
+class Rig:
+    """Settings on the fake provider, a process runner passing all of them on, a tenant."""
+
+    def __init__(self, s: Settings, fake: FakeProvider, tmp: Path) -> None:
+        self.s, self.fake, self.tmp = s, fake, tmp
+        self.runner = ProcessRunner(s, tmp / "logs")
+        self.env = {k: v for k, v in chaos.settings_env(s).items()
+                    if k.startswith("JOBSTREAM_")}
+        self.tenant = f"pause-{uuid.uuid4().hex[:8]}"
+        self.keys: list[str] = []
+
+    def start(self, command: str, **env: str) -> Proc:
+        return self.runner.start(command, **{**self.env, **env})
+
+    def submit(self, n: int, paragraphs: int = 5) -> None:
+        docs = chaos.make_documents(self.tmp / "docs", self.tenant, n, paragraphs=paragraphs)
+        self.keys = [f"{self.tenant}:{d.name}" for d in docs]
+        submit(self.s, [uploaded_event(d, tenant_id=self.tenant, idempotency_key=k,
+                                       settings=self.s, model_profile="custom")
+                        for d, k in zip(docs, self.keys, strict=True)])
+
+    def wait_done(self, timeout_s: float = 180) -> None:
+        wait_for(lambda: chaos.quiescent(self.s, self.tenant, len(self.keys)), timeout_s,
+                 "every job terminal, applied downstream and every offset committed",
+                 self.runner.logs, every_s=1.0)
+
+    def check(self, *, redrives: bool) -> dict[str, int]:
+        violations, effects = chaos.check_invariants(
+            self.s, tenant=self.tenant, keys=self.keys,
+            calls_by_key=self.fake.snapshot()["by_key"], worker_killed=True,
+            redrives=redrives)
+        assert violations == [], "\n".join(violations) + "\n" + self.runner.logs()
+        return effects
+
+
+@pytest.fixture
+def rig(settings: Settings, tmp_path: Path, request: pytest.FixtureRequest):
+    """A :class:`Rig`; ``request.param`` updates the settings (lease, grace …)."""
+    with FakeProvider() as fake:
+        s = chaos.chaos_settings(settings, fake.base_url)
+        s = s.model_copy(update=getattr(request, "param", {}))
+        r = Rig(s, fake, tmp_path)
+        yield r
+        for p in r.runner.procs:  # a frozen process must wake up to hear SIGTERM
+            if p.popen.poll() is None:
+                os.kill(p.popen.pid, signal.SIGCONT)
+        r.runner.stop_all()
+
+
+def _attempts(url: str) -> list[dict[str, Any]]:
+    return query(url, "SELECT attempt_id, chunk_idx, outcome, run_token, cost_usd, "
+                      "est_cost_usd FROM provider_attempt ORDER BY attempt_id")
+
+
+#: The issue's reproduction: lease 10 s, sweep grace 10 s, the provider at 2 s a call.
+PAUSED = {"lease_s": 10.0, "sweep_grace_s": 10.0, "llm_concurrency": 1}
+
+
+@pytest.mark.parametrize("rig", [PAUSED], indirect=True)
+@pytest.mark.parametrize("how,second_worker", [("fault", False), ("sigstop", False),
+                                               ("sigstop", True)],
+                         ids=["fault-point", "sigstop", "sigstop-second-worker-joins"])
+def test_a_paused_worker_never_strands_its_job(rig: Rig, how: str,
+                                               second_worker: bool) -> None:
+    s, url = rig.s, rig.s.database_url
+    rig.fake.set_script({"default": {"latency_s": 2}})
+    rig.start("relay")
+    rig.start("consume-ready")
+    fault = {"JOBSTREAM_FAULT": "llm_after_provider_before_checkpoint=stop"} if (
+        how == "fault") else {}
+    worker = rig.start("worker", name="worker-a", **fault)
+    rig.submit(1)
+    if how == "sigstop":
+        wait_for(lambda: query(url, "SELECT 1 FROM provider_attempt WHERE outcome = 'started'"),
+                 120, "a provider attempt in flight", rig.runner.logs, every_s=0.1)
+        os.kill(worker.popen.pid, signal.SIGSTOP)
+    wait_for(lambda: _state(worker) == "T", 120, "the worker to be frozen", rig.runner.logs)
+    [paused] = query(url, "SELECT run_token FROM job_stage WHERE stage = 'llm_done'")
+    if second_worker:
+        rig.start("worker", name="worker-b")
+    time.sleep(s.lease_s + s.sweep_grace_s + 20)  # 40 s, as in the issue
+    os.kill(worker.popen.pid, signal.SIGCONT)
+    # The resumed run finds itself fenced (heartbeat, attempt or completion) and discards.
+    wait_for(lambda: "discarding a stale run" in worker.log_text(), 60,
+             "the resumed worker to discard its stale run", rig.runner.logs)
+
+    rig.wait_done()
+    effects = rig.check(redrives=True)
+    [job] = query(url, "SELECT status, generation, sweeps FROM job")
+    assert job["status"] == "succeeded"
+    assert job["sweeps"] <= 1, "the sweeper re-drove one expired lease more than once"
+    if not second_worker:  # nobody took over: the sweeper re-drove, exactly once
+        assert (job["generation"], job["sweeps"]) == (1, 1)
+    [llm] = query(url, "SELECT attempt, run_token FROM job_stage WHERE stage = 'llm_done'")
+    assert llm["attempt"] == 2 and llm["run_token"] != paused["run_token"]
+    # The paused run's work was fenced: its late answer (if any) discarded, never used.
+    mine = [a for a in _attempts(url) if a["run_token"] == paused["run_token"]]
+    assert mine and all(a["outcome"] in ("succeeded", "discarded", "abandoned") for a in mine)
+    if how == "sigstop":
+        assert any(a["outcome"] in ("discarded", "abandoned") for a in mine), mine
+    assert worker.popen.poll() is None, "the resumed worker keeps running"
+    print(effects)
+
+
+@pytest.mark.parametrize("rig", [{"lease_s": 8.0, "sweep_grace_s": 1.0,
+                                  "chunk_size_chars": 4000}], indirect=True)
+def test_a_provider_call_longer_than_the_lease_is_made_once(rig: Rig) -> None:
+    url = rig.s.database_url
+    rig.fake.set_script({"default": {"latency_s": 25}})
+    rig.start("relay")
+    rig.start("consume-ready")
+    rig.start("worker", name="worker-a")
+    rig.start("worker", name="worker-b")  # ready to take over a lease that ran out
+    rig.submit(1, paragraphs=1)  # one chunk
+    rig.wait_done(timeout_s=240)
+    rig.check(redrives=False)
+    assert rig.fake.snapshot()["total"] == 1
+    assert [a["outcome"] for a in _attempts(url)] == ["succeeded"]
+    assert query(url, "SELECT attempt FROM job_stage WHERE stage = 'llm_done'") == [
+        {"attempt": 1}]
+    assert query(url, "SELECT generation, sweeps FROM job") == [{"generation": 0, "sweeps": 0}]
+
+
+@pytest.mark.parametrize("rig", [{"lease_s": 4.0, "llm_concurrency": 1}], indirect=True)
+def test_a_killed_runs_attempt_is_closed_abandoned(rig: Rig) -> None:
+    url = rig.s.database_url
+    rig.fake.set_script({"default": {"latency_s": 3}})
+    rig.start("relay")
+    rig.start("consume-ready")
+    worker = rig.start("worker", name="worker-a")
+    rig.submit(1)
+    wait_for(lambda: query(url, "SELECT 1 FROM provider_attempt WHERE outcome = 'started'"),
+             120, "a provider attempt in flight", rig.runner.logs, every_s=0.1)
+    rig.runner.kill9(worker)
+    [orphan] = query(url, "SELECT attempt_id, est_cost_usd FROM provider_attempt "
+                          "WHERE outcome = 'started'")
+    rig.start("worker", name="worker-b")
+    rig.wait_done()
+    rig.check(redrives=False)
+    [closed] = query(url, "SELECT outcome, cost_usd FROM provider_attempt "
+                          "WHERE attempt_id = %s", (orphan["attempt_id"],))
+    assert closed["outcome"] == "abandoned"
+    assert closed["cost_usd"] == orphan["est_cost_usd"] > 0  # billed at the estimate
+    assert query(url, "SELECT count(*) AS n FROM provider_attempt "
+                      "WHERE outcome = 'started'") == [{"n": 0}]
+
+
+@pytest.mark.parametrize("fault", chaos.PAUSE_PLAN)
+def test_pause_matrix_point(settings: Settings, tmp_path: Path, fault: str) -> None:
+    result = chaos.run_point(settings, fault, jobs=3, logdir=tmp_path / "run", timeout_s=150,
+                             mode="pause")
+    print(result.report())
+    assert result.ok, result.report(tails=True)
+    if fault.startswith("llm_"):
+        assert result.effects["retaken_stages"] >= 1, result.report()

@@ -21,6 +21,18 @@ Scenarios, all in one run against the same broker and a fresh database:
   COMMIT returned instead (a lower bound: it can even be negative when the writer process was
   descheduled after the commit). ``raw_produce_to_kafka`` is the same offered load through a
   raw producer: broker append time - ``produce()`` call time.
+
+With ``--relay debezium`` the same run also measures the Debezium relay (Kafka Connect in
+distributed mode + the Outbox Event Router, a private worker started by
+``scripts/services.sh up connect``; ``--connect-url`` uses a running one instead):
+
+* ``drain_debezium``: the connector is paused, the writers commit ``--n`` rows (deleted in
+  their own transactions; the WAL keeps them), the connector is resumed. Throughput = rows /
+  (broker time of the first .. of the last message).
+* ``latency_debezium``: the same offered load as ``latency_1k`` with the connector running.
+  The rows are gone by the time we look, so only ``commit_returned_to_kafka`` (the writer's
+  wall time after COMMIT returned -> broker append time) is measured; ``latency_1k`` reports
+  the same figure for the Python relay.
 """
 
 from __future__ import annotations
@@ -280,7 +292,7 @@ def raw_baseline(settings: Settings, source_topic: str, n: int) -> dict[str, Any
     return {"rows": n, "events_per_s": round(n / r["elapsed_s"]),
             "elapsed_s": round(r["elapsed_s"], 3),
             "producer_config": {k: v for k, v in producer_config(settings).items()
-                                if k != "bootstrap.servers"}}
+                                if k not in ("bootstrap.servers", "logger")}}
 
 
 def wait_relay_active(settings: Settings, topic: str, timeout_s: float = 60.0) -> None:
@@ -336,6 +348,102 @@ def latency(settings: Settings, args: argparse.Namespace, logdir: Path) -> dict[
     }
 
 
+class ConnectWorker:
+    """A Kafka Connect worker for the benchmark: ``url`` of a running one, or a private one
+    started (and stopped) through ``scripts/services.sh`` with its own directory, port and
+    group id on the run's Kafka."""
+
+    def __init__(self, settings: Settings, url: str | None) -> None:
+        self.url = url
+        self.env: dict[str, str] = {}
+        self._dir: str | None = None
+        if url is None:
+            import socket
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            self._dir = mkdtemp(prefix="bench-connect-")
+            self.group = f"{settings.topic_prefix}connect"
+            self.env = {**__import__("os").environ, "JOBSTREAM_CONNECT_DIR": self._dir,
+                        "JOBSTREAM_CONNECT_PORT": str(port), "JOBSTREAM_CONNECT_GROUP": self.group,
+                        "JOBSTREAM_KAFKA_BOOTSTRAP_SERVERS": settings.kafka_bootstrap_servers}
+            self.url = f"http://127.0.0.1:{port}"
+
+    def __enter__(self) -> ConnectWorker:
+        if self._dir is not None:
+            self._services("up", "connect")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._dir is not None:
+            self._services("down", "connect")
+
+    def _services(self, *args: str) -> None:
+        import subprocess
+        script = Path(__file__).resolve().parents[1] / "scripts" / "services.sh"
+        subprocess.run(["bash", str(script), *args], env=self.env, check=True,
+                       stdout=subprocess.DEVNULL, timeout=300)
+
+
+def _connector(settings: Settings, action: str) -> None:
+    """Pause or resume the outbox connector (Connect REST API)."""
+    import httpx
+
+    from jobstream.connect import names
+    r = httpx.put(f"{settings.connect_url}/connectors/{names(settings).connector}/{action}",
+                  timeout=30)
+    r.raise_for_status()
+
+
+def debezium(settings: Settings, args: argparse.Namespace) -> dict[str, Any]:
+    """``drain_debezium`` and ``latency_debezium`` (see the module docstring)."""
+    from jobstream import connect as dbz
+    out: dict[str, Any] = {}
+    with ConnectWorker(settings, args.connect_url) as worker:
+        s = settings.model_copy(update={"relay": "debezium", "connect_url": worker.url})
+        try:
+            dbz.deploy(s)
+            topic = s.topic("bench.debezium")
+            create_topics(s, [topic], partitions=s.topic_partitions, config=TOPIC_CONFIG)
+            _connector(s, "pause")
+            time.sleep(3)  # a paused task stops polling the slot
+            log(f"debezium: {args.writers} writers commit {args.n} rows, connector paused")
+            w = write_outbox(s.database_url, topic, args.n, writers=args.writers,
+                             rows_per_tx=args.rows_per_tx)
+            col = Collector(s, topic, args.n, s.topic_partitions)
+            col.start()
+            _connector(s, "resume")
+            col.wait(args.timeout)
+            if len(col.seen) < args.n:
+                raise RuntimeError(f"debezium: only {len(col.seen)} of {args.n} on {topic}")
+            first, last = min(col.seen.values()) / 1000, max(col.seen.values()) / 1000
+            out["drain_debezium"] = {
+                "rows": args.n, "events_per_s": round(args.n / max(last - first, 1e-3)),
+                "drain_s": round(last - first, 3), "messages_on_topic": col.copies,
+                "writers": {"processes": args.writers, "rows_per_tx": args.rows_per_tx,
+                            "commit_rate_per_s": round(args.n / w["elapsed_s"])}}
+            log(f"debezium drain: {out['drain_debezium']['events_per_s']} events/s")
+            if "latency_1k" not in set(filter(None, args.skip.split(","))):
+                lt = s.topic("bench.debezium_latency")
+                create_topics(s, [lt], partitions=s.topic_partitions, config=TOPIC_CONFIG)
+                n = int(args.rate * args.seconds)
+                col = Collector(s, lt, n, s.topic_partitions)
+                col.start()
+                log(f"debezium latency: {args.rate:.0f} events/s for {args.seconds}s")
+                w = write_outbox(s.database_url, lt, n, writers=args.latency_writers,
+                                 rows_per_tx=1, rate=args.rate)
+                col.wait(120)
+                lat = [col.seen[e] - c * 1000 for e, c in w["committed"].items()
+                       if e in col.seen]
+                out["latency_debezium"] = {
+                    "offered_events_per_s": args.rate, "events": n, "received": len(lat),
+                    "achieved_commit_rate_per_s": round(n / w["elapsed_s"]),
+                    "commit_returned_to_kafka": latency_summary(lat)}
+        finally:
+            dbz.delete(s)
+    return out
+
+
 def plot(result: dict[str, Any], path: str) -> None:
     plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -375,6 +483,10 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=900.0, help="max seconds per drain")
     p.add_argument("--skip", default="", help="comma list of scenarios to skip: "
                    "drain_2_relays,latency_1k")
+    p.add_argument("--relay", choices=["python", "debezium"], default="python",
+                   help="debezium: also measure the Debezium relay in the same run")
+    p.add_argument("--connect-url", help="a running Kafka Connect worker (default: start a "
+                   "private one with scripts/services.sh)")
     args = p.parse_args()
     args.n = int(args.n)
     skip = set(filter(None, args.skip.split(",")))
@@ -399,6 +511,8 @@ def main() -> None:
         if "latency_1k" not in skip:
             result["latency_1k"] = latency(s, args, logdir)
             log(f"latency: {result['latency_1k']['commit_to_kafka']}")
+        if args.relay == "debezium":
+            result.update(debezium(s, args))
     result["machine"]["loadavg_after"] = list(__import__("os").getloadavg())
     targets = {"relay_events_per_s>=20000": one["events_per_s"] >= 20000,
                "relay>=50%_of_raw": result["relay_vs_raw_ratio"] >= 0.5}

@@ -44,7 +44,7 @@ from jobstream.db import QUERIES as Q
 from jobstream.db import connect
 from jobstream.deadletter import HANDLER_ERROR, DeadLetterSink, FailureCounter, classify, describe
 from jobstream.errors import PoisonMessage, RetryableError
-from jobstream.kafka import consumer_config
+from jobstream.kafka import HEADERS_UNREADABLE, consumer_config, read_headers
 from jobstream.settings import Settings
 from schemas.events import decode_event
 
@@ -93,6 +93,28 @@ class IdempotentConsumer:
         self._sink = DeadLetterSink(settings, group=group)
         self._failures = FailureCounter()
         self._conn: psycopg.Connection | None = None
+        self._headers: dict[tuple[Any, Any, Any], list[tuple[str, bytes | None]]] = {}
+
+    def headers(self, msg: Message) -> list[tuple[str, bytes | None]]:
+        """``msg``'s headers, read from confluent-kafka ONCE per message.
+
+        A header name that is not UTF-8 makes ``Message.headers()`` raise ``SystemError``
+        and leaves a broken list behind that crashes the process (SIGSEGV) on the next call.
+        Such a message's headers are unreadable: they become one header
+        ``headers_unreadable`` (with the error), the event itself is still processed, and a
+        dead letter of it keeps key, value and position.
+        """
+        pos = (msg.topic(), msg.partition(), msg.offset())
+        got = self._headers.get(pos)
+        if got is None:
+            got = read_headers(msg)
+            if got and got[0][0] == HEADERS_UNREADABLE:
+                log.warning("headers of %s[%s]@%s unreadable (%r); processing without them",
+                            *pos, got[0][1])
+            if len(self._headers) > 10 * self.max_batch + 100:
+                self._headers.clear()
+            self._headers[pos] = got
+        return got
 
     def stop(self, *_: Any) -> None:
         """Ask the loop to return after the current message."""
@@ -121,7 +143,7 @@ class IdempotentConsumer:
         :class:`RetryableError` when neither took it: the offset must not be stored."""
         self._sink.send(topic=msg.topic() or "", partition=msg.partition() or 0,
                         offset=msg.offset() or 0, key=msg.key(), value=msg.value(),
-                        headers=list(msg.headers() or []), code=code, reason=reason)
+                        headers=self.headers(msg), code=code, reason=reason)
         self.stats.dead_lettered += 1
 
     def _decode(self, msg: Message) -> Any:
@@ -141,7 +163,7 @@ class IdempotentConsumer:
         Raises ``psycopg.Error`` (or the handler's error) after rolling back: the caller must
         not store the offset and retries the message.
         """
-        with logs.message_scope(msg.headers(), group=self.group):
+        with logs.message_scope(self.headers(msg), group=self.group):
             outcome = self._process(msg)
             log.debug("%s %s[%d]@%d", outcome, msg.topic(), msg.partition(), msg.offset())
             return outcome
@@ -213,7 +235,7 @@ class IdempotentConsumer:
         self.stats.duplicates += outcomes.count("duplicate")
         if log.isEnabledFor(logging.DEBUG):
             for msg, outcome in zip(msgs, outcomes, strict=True):
-                with logs.message_scope(msg.headers(), group=self.group):
+                with logs.message_scope(self.headers(msg), group=self.group):
                     log.debug("%s %s[%d]@%d", outcome, msg.topic(), msg.partition(),
                               msg.offset())
         return outcomes
@@ -353,7 +375,9 @@ class IdempotentConsumer:
                 if not msgs:
                     continue
                 last_msg = time.monotonic()
-                if not self._apply(msgs):
+                ok = self._apply(msgs)
+                self._headers.clear()
+                if not ok:
                     break
         finally:
             self._consumer.close()  # commits the stored offsets

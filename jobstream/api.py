@@ -24,6 +24,7 @@ import base64
 import hashlib
 import hmac
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator
 from datetime import datetime
@@ -54,7 +55,7 @@ from jobstream.errors import IdempotencyConflict, PoisonMessage, RetryableError
 from jobstream.keys import canonical_json, sha256_hex
 from jobstream.settings import Settings
 from jobstream.stages import StageContext, handle_intake
-from jobstream.store import STAGES, TERMINAL, Store
+from jobstream.store import STAGES, TERMINAL, IntakeResult, Store
 from schemas.events import (
     NO_CONTROL_CHARS,
     DocumentRef,
@@ -63,6 +64,15 @@ from schemas.events import (
 )
 
 MAX_BATCH = 1000
+#: States in which a job waits for a person, and who: the SSE stream ends on them.
+WAITING_FOR_PERSON = {"needs_reconciliation": "operator"}
+_DEDUP_MESSAGES = {
+    "new": "a new job",
+    "replayed": "the same Idempotency-Key again: the same job, no new work",
+    "reused": "the same computation already succeeded or is running: its job, no new work",
+    "restarted": "the same computation had failed or was cancelled: a new run of its job "
+                 "started",
+}
 _bearer = HTTPBearer(auto_error=False)
 
 
@@ -106,10 +116,17 @@ class BatchRequest(BaseModel):
 
 
 class JobCreated(BaseModel):
-    """202/200 answer of ``POST /v1/jobs``."""
+    """202/200 answer of ``POST /v1/jobs`` (and of a cancel)."""
 
     job_id: uuid.UUID
     status: str
+    dedup: Literal["new", "replayed", "reused", "restarted"] | None = Field(
+        None, description="How the intent was bound to its job: `new` job (202); `replayed` "
+        "(the same Idempotency-Key again: the same job, no new work); `reused` (another key "
+        "for the same computation, which succeeded or is still running: its job, no new "
+        "work); `restarted` (the same computation had failed or was cancelled: a new run of "
+        "that job started, 202).")
+    message: str | None = Field(None, description="What happened, in words.")
 
 
 class StageView(BaseModel):
@@ -342,7 +359,12 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
             return JSONResponse({"code": "malformed_json",
                                  "message": "the request body is not valid JSON"},
                                 status_code=400)
-        if any(e.get("loc", ())[:2] == ("header", "Idempotency-Key") for e in errors):
+        key_errors = [e for e in errors if e.get("loc", ())[:2] == ("header", "Idempotency-Key")]
+        if any(e.get("type") == "string_too_long" for e in key_errors):
+            return JSONResponse({"code": "idempotency_key_too_long",
+                                 "message": "the Idempotency-Key header is longer than 200 "
+                                            "characters"}, status_code=400)
+        if key_errors:
             return JSONResponse({"code": "missing_idempotency_key",
                                  "message": "the Idempotency-Key header is required (one key "
                                             "per client intent)"}, status_code=400)
@@ -392,13 +414,25 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
                 from None
 
     def intake(ev: DocumentUploaded, conn: Any = None) -> tuple[uuid.UUID, bool]:
+        r = intake_result(ev, conn)
+        return r.job_id, r.created
+
+    def intake_result(ev: DocumentUploaded, conn: Any = None) -> IntakeResult:
         try:
-            r = handle_intake(ctx, ev, conn=conn, emit_uploaded=settings.api_emit_uploaded)
+            return handle_intake(ctx, ev, conn=conn, emit_uploaded=settings.api_emit_uploaded)
         except IdempotencyConflict as exc:
             raise _problem(409, exc.code, str(exc)) from None
         except PoisonMessage as exc:
             raise _problem(422, exc.code, str(exc)) from None
-        return r.job_id, r.created
+
+    def created_answer(r: IntakeResult, response: Response) -> JobCreated:
+        """202 for new work (a new job, or a new run of a failed/cancelled one), else 200."""
+        if r.dedup not in ("new", "restarted"):
+            response.status_code = 200
+        if r.dedup == "replayed":
+            response.headers["Idempotent-Replayed"] = "true"
+        return JobCreated(job_id=r.job_id, status=job_status(r.job_id), dedup=r.dedup,
+                          message=_DEDUP_MESSAGES[r.dedup])
 
     def job_status(job_id: uuid.UUID) -> str:
         job = ctx.store.job(job_id)
@@ -409,12 +443,11 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
                          409: {"model": Problem}, 422: {"model": Problem}})
     def create_job(req: JobRequest, t: Tenant, idempotency_key: IdemKey,
                    response: Response) -> JobCreated:
-        """Create a job (202), or return the job of a replayed Idempotency-Key (200)."""
-        job_id, created = intake(event_for(t, idempotency_key, req))
-        if not created:
-            response.status_code = 200
-            response.headers["Idempotent-Replayed"] = "true"
-        return JobCreated(job_id=job_id, status=job_status(job_id))
+        """Create a job (202), or return the job of a replayed Idempotency-Key (200). Another
+        key for a computation that already succeeded or is running returns its job (200,
+        ``dedup: reused``); for one that failed or was cancelled it starts a new run of that
+        job (202, ``dedup: restarted``)."""
+        return created_answer(intake_result(event_for(t, idempotency_key, req)), response)
 
     @app.post("/v1/jobs/upload", status_code=202, response_model=JobCreated,
               responses={200: {"model": JobCreated, "description": "replayed intent"},
@@ -442,12 +475,8 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
             raise _problem(422, "invalid_request", "; ".join(
                 f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5])) \
                 from None
-        job_id, created = await asyncio.to_thread(
-            lambda: intake(event_for(t, idempotency_key, req)))
-        if not created:
-            response.status_code = 200
-            response.headers["Idempotent-Replayed"] = "true"
-        return JobCreated(job_id=job_id, status=await asyncio.to_thread(job_status, job_id))
+        return await asyncio.to_thread(
+            lambda: created_answer(intake_result(event_for(t, idempotency_key, req)), response))
 
     def view(t: str, job_id: uuid.UUID) -> JobView:
         with ctx.store.tx() as conn:
@@ -483,38 +512,60 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
         tenant's job is 404."""
         return view(t, job_id)
 
-    @app.post("/v1/jobs/{job_id}/cancel", status_code=202, response_model=JobCreated)
-    def cancel_job(job_id: uuid.UUID, t: Tenant) -> JobCreated:
+    @app.post("/v1/jobs/{job_id}/cancel", status_code=202, response_model=JobCreated,
+              responses={200: {"model": JobCreated, "description": "the job had already "
+                                                                   "ended: nothing changed"}})
+    def cancel_job(job_id: uuid.UUID, t: Tenant, response: Response) -> JobCreated:
         """Ask the job to stop: workers stop before the next provider call and abort an
-        in-flight one; a job with no running stage ends ``cancelled`` at once. Cancelling a
-        finished job changes nothing."""
+        in-flight one; a job with no running stage ends ``cancelled`` at once (202).
+        Cancelling a finished job changes nothing, not even ``cancel_requested`` (200, the
+        state it ended in)."""
         with ctx.store.tx() as conn:
             row = conn.execute(Q["request_cancel"], (job_id, t)).fetchone()
             if row is None:
-                raise _problem(404, "not_found", f"no job {job_id}")
-            if row["status"] not in TERMINAL:
-                conn.execute(Q["cancel_waiting_jobs"], ([job_id],))
-        return JobCreated(job_id=job_id, status=job_status(job_id))
+                ended = conn.execute(Q["api_job_status"], (job_id, t)).fetchone()
+                if ended is None:
+                    raise _problem(404, "not_found", f"no job {job_id}")
+                response.status_code = 200
+                return JobCreated(job_id=job_id, status=ended["status"],
+                                  message=f"the job had already ended ({ended['status']}): "
+                                          "nothing to cancel")
+            conn.execute(Q["cancel_waiting_jobs"], ([job_id],))
+        return JobCreated(job_id=job_id, status=job_status(job_id),
+                          message="cancel requested: the job stops before its next provider "
+                                  "call")
 
     @app.get("/v1/jobs/{job_id}/events")
     async def job_events(job_id: uuid.UUID, t: Tenant, request: Request,
                          poll_s: float = 0.5) -> StreamingResponse:
         """Server-Sent Events: a ``progress`` event (the JobView as JSON) whenever the job
-        changes, ending with the terminal state."""
+        changes, and a ``: keep-alive`` comment every ``JOBSTREAM_SSE_KEEPALIVE_S`` seconds
+        without one (proxies cut idle streams). The stream ends with an ``end`` event
+        (``status``, ``current_stage``, ``error_code``, ``waiting_for``) on a terminal state
+        and on every state that waits for a person (``needs_reconciliation``:
+        ``waiting_for: operator``, see ``jobstream reconcile``)."""
         view(t, job_id)  # 404 before the stream starts
+        keepalive_s = settings.sse_keepalive_s
 
         async def stream() -> AsyncIterator[str]:
             last = None
+            quiet_since = time.monotonic()
             while not await request.is_disconnected():
                 v = await asyncio.to_thread(view, t, job_id)
                 body = v.model_dump_json()
                 if body != last:
                     yield f"event: progress\ndata: {body}\n\n"
-                    last = body
-                if v.status in TERMINAL:
-                    yield f"event: end\ndata: {json.dumps({'status': v.status})}\n\n"
+                    last, quiet_since = body, time.monotonic()
+                elif time.monotonic() - quiet_since >= keepalive_s:
+                    yield ": keep-alive\n\n"
+                    quiet_since = time.monotonic()
+                if v.status in TERMINAL or v.status in WAITING_FOR_PERSON:
+                    end = {"status": v.status, "current_stage": v.current_stage,
+                           "error_code": v.error_code,
+                           "waiting_for": WAITING_FOR_PERSON.get(v.status)}
+                    yield f"event: end\ndata: {json.dumps(end)}\n\n"
                     return
-                await asyncio.sleep(max(0.1, min(poll_s, 5.0)))
+                await asyncio.sleep(max(0.1, min(poll_s, 5.0, keepalive_s)))
 
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
@@ -551,8 +602,13 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
                 response.headers["Idempotent-Replayed"] = "true"
             else:
                 batch_id = new_id
-                for i, ev in enumerate(events):
-                    job_id, _ = intake(ev, conn)
+                # Document and job rows are locked in one global order (hash, content type),
+                # not the request's: concurrent batches sharing documents in another order
+                # deadlocked (503 for all but one).
+                order = sorted(range(len(events)), key=lambda i: (
+                    events[i].payload.document.sha256, events[i].payload.document.content_type))
+                for i in order:
+                    job_id, _ = intake(events[i], conn)
                     conn.execute(Q["insert_batch_job"], (batch_id, i, job_id))
         return batch_view(t, batch_id)
 

@@ -89,13 +89,78 @@ def topics() -> None:
 
 
 @main.command()
-def relay() -> None:
+@click.option("--housekeeping-only", is_flag=True,
+              help="Only the stuck-stage sweeper and retention, no publishing (beside the "
+                   "Debezium relay).")
+def relay(housekeeping_only: bool) -> None:
     """Run the outbox relay (one active, others stand by) until SIGTERM."""
     from jobstream import health, outage
     from outbox_relay.relay import main as relay_main
     health.setup("relay", get_settings())  # its loop reports every poll (active or standby)
     outage.install(get_settings().kafka_bootstrap_servers)
-    sys.exit(relay_main(get_settings()))
+    sys.exit(relay_main(get_settings(), housekeeping_only=housekeeping_only))
+
+
+@main.group("connect")
+def connect_group() -> None:
+    """The Debezium relay on Kafka Connect (JOBSTREAM_RELAY=debezium): deploy, status, delete."""
+
+
+@connect_group.command("deploy")
+@click.option("--timeout", "timeout_s", default=120.0, show_default=True,
+              help="Seconds to wait for the connector task and its slot.")
+def connect_deploy(timeout_s: float) -> None:
+    """Register the outbox connector (jobstream/debezium/outbox-connector.json, rendered from
+    the settings) and switch the outbox to it."""
+    from jobstream import connect
+    try:
+        st = connect.deploy(get_settings(), timeout_s=timeout_s)
+    except (connect.ConnectError, RuntimeError) as exc:
+        raise click.ClickException(str(exc)) from None
+    _print_connect_status(st)
+
+
+@connect_group.command("status")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def connect_status(as_json: bool) -> None:
+    """Connector and task state, and the replication slot's retained WAL. Exit 3 unless the
+    connector and all its tasks are RUNNING."""
+    import json as _json
+
+    from jobstream import connect
+    st = connect.status(get_settings())
+    if as_json:
+        click.echo(_json.dumps(st, default=str))
+    else:
+        _print_connect_status(st)
+    running = st["state"] == "RUNNING" and st["tasks"] and all(
+        t["state"] == "RUNNING" for t in st["tasks"])
+    sys.exit(0 if running else 3)
+
+
+@connect_group.command("delete")
+def connect_delete() -> None:
+    """Unregister the connector, drop its slot and publication (the Python relay may run)."""
+    from jobstream import connect
+    try:
+        for line in connect.delete(get_settings()):
+            click.echo(line)
+    except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _print_connect_status(st: dict) -> None:  # type: ignore[type-arg]
+    click.echo(f"connector {st['connector']}: {st['state']}"
+               + (f" ({st['connect_error']})" if st.get("connect_error") else ""))
+    for t in st["tasks"]:
+        click.echo(f"  task {t['id']}: {t['state']} on {t['worker_id']}")
+        if t.get("trace"):
+            click.echo("    " + t["trace"].splitlines()[0])
+    if not st["slots"]:
+        click.echo(f"replication slot {st['slot']}: none")
+    for s in st["slots"]:
+        click.echo(f"replication slot {s['slot']}: {'active' if s['active'] else 'INACTIVE'}, "
+                   f"retains {s['retained_bytes']} bytes of WAL ({s['wal_status']})")
 
 
 @main.command()
@@ -243,30 +308,61 @@ def _api_errors(fn):  # type: ignore[no-untyped-def]
 
 
 def _follow(client, ids: list[str], what: str) -> list[dict]:  # type: ignore[no-untyped-def]
-    """Poll jobs until terminal with a progress bar of stages done; returns the final views."""
+    """Poll jobs until each has ended or waits for a person, with a progress bar of jobs
+    finished (a failed job is finished too: the bar never stops short); returns the final
+    views."""
     import time
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
     with Progress("{task.description}", BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn()) as bar:
-        task = bar.add_task(what, total=6 * len(ids))
+        task = bar.add_task(what, total=len(ids))
         while True:
             views = [client.job(i) for i in ids]
-            bar.update(task, completed=sum(v["stages_done"] for v in views))
+            bar.update(task, completed=sum(v["status"] in _TERMINAL for v in views))
             if all(v["status"] in _TERMINAL for v in views):
                 return views
             time.sleep(0.5)
 
 
 def _print_jobs(views: list[dict]) -> None:  # type: ignore[type-arg]
+    """One row per job: status, the stage it is at (for a failed job: the stage that failed),
+    the error code."""
     t = Table()
-    for c in ("job id", "document", "status", "stages", "provider calls", "cost USD", "error"):
+    for c in ("job id", "document", "status", "stage", "stages", "provider calls", "cost USD",
+              "error"):
         t.add_column(c)
     for v in views:
-        t.add_row(v["job_id"], v["filename"], v["status"], f"{v['stages_done']}/6",
-                  str(len(v["provider_attempts"])), f"{v['cost_so_far_usd']:.6f}",
-                  v["error_code"] or "")
+        t.add_row(v["job_id"], v["filename"], v["status"], v["current_stage"],
+                  f"{v['stages_done']}/6", str(len(v["provider_attempts"])),
+                  f"{v['cost_so_far_usd']:.6f}", v["error_code"] or "")
     Console().print(t)
+
+
+def _summary(views: list[dict]) -> int:  # type: ignore[type-arg]
+    """Print the summary table of finished jobs (succeeded / failed with their stages and error
+    codes / cancelled / waiting for an operator); returns the exit code: 1 when a job failed
+    or waits for reconciliation, else 0 (a cancelled job is what its owner asked for)."""
+    from collections import Counter
+    by: dict[str, list[dict]] = {}  # type: ignore[type-arg]
+    for v in views:
+        by.setdefault(v["status"], []).append(v)
+
+    def codes(vs: list[dict]) -> str:  # type: ignore[type-arg]
+        c = Counter(f"{v['error_code'] or '?'} at {v['current_stage']}" for v in vs)
+        return ", ".join(f"{k} ×{n}" if n > 1 else k for k, n in sorted(c.items()))
+    t = Table(title=f"{len(views)} jobs")
+    t.add_column("result")
+    t.add_column("jobs", justify="right")
+    t.add_column("error codes (at stage)")
+    t.add_row("succeeded", str(len(by.get("succeeded", []))), "")
+    t.add_row("failed", str(len(by.get("failed", []))), codes(by.get("failed", [])))
+    t.add_row("cancelled", str(len(by.get("cancelled", []))), "")
+    if by.get("needs_reconciliation"):
+        t.add_row("needs reconciliation (jobstream reconcile)",
+                  str(len(by["needs_reconciliation"])), codes(by["needs_reconciliation"]))
+    Console().print(t)
+    return 1 if by.get("failed") or by.get("needs_reconciliation") else 0
 
 
 @main.command()
@@ -286,7 +382,12 @@ def _print_jobs(views: list[dict]) -> None:  # type: ignore[type-arg]
 def submit(files: tuple[Path, ...], api_url: str, token: str, idempotency_key: str | None,
            lane: str, prompt_version: str | None, model_profile: str | None,
            wait: bool) -> None:
-    """Create one job per FILE through the HTTP API (and follow them)."""
+    """Create one job per FILE through the HTTP API (and follow them).
+
+    With --wait (the default) the bar counts jobs that ended; a table per job and a summary
+    (succeeded / failed with error codes / cancelled) follow. Exit code 1 when a job failed or
+    waits for reconciliation.
+    """
     import hashlib
 
     from jobstream.client import document_body
@@ -303,7 +404,9 @@ def submit(files: tuple[Path, ...], api_url: str, token: str, idempotency_key: s
         ids.append(r["job_id"])
         click.echo(f"{f.name}: job {r['job_id']} ({r['status']})")
     if wait:
-        _print_jobs(_follow(client, ids, "stages done"))
+        views = _follow(client, ids, "jobs finished")
+        _print_jobs(views)
+        sys.exit(_summary(views))
 
 
 @main.command()
@@ -317,13 +420,15 @@ def status(job_id: str, api_url: str, token: str, follow: bool, as_json: bool) -
     """Show a job through the API: status, stages, provider attempts, cost, result."""
     import json as _json
     client = _client(api_url, token)
-    v = _follow(client, [job_id], "stages done")[0] if follow else client.job(job_id)
+    v = _follow(client, [job_id], "jobs finished")[0] if follow else client.job(job_id)
     if as_json:
         click.echo(_json.dumps(v, indent=2))
     else:
         _print_jobs([v])
         if v.get("result"):
             click.echo(f"title: {v['result']['title']}\nsummary: {v['result']['summary']}")
+        elif v["status"] == "failed":
+            click.echo(f"failed at stage {v['current_stage']}: {v['error_code']}: {v['error']}")
 
 
 @main.command()
@@ -334,7 +439,9 @@ def status(job_id: str, api_url: str, token: str, follow: bool, as_json: bool) -
 def cancel(job_id: str, api_url: str, token: str) -> None:
     """Cancel a job through the API (it stops before its next provider call)."""
     r = _client(api_url, token).cancel(job_id)
-    if r["status"] in ("succeeded", "failed", "cancelled"):
+    if r.get("message"):
+        click.echo(f"job {r['job_id']}: {r['message']} (now {r['status']})")
+    elif r["status"] in ("succeeded", "failed", "cancelled"):
         click.echo(f"job {r['job_id']} had already ended ({r['status']}): nothing to cancel")
     else:
         click.echo(f"job {r['job_id']}: cancel requested (now {r['status']}; it stops before "
@@ -354,7 +461,12 @@ def cancel(job_id: str, api_url: str, token: str) -> None:
 @_api_errors
 def batch(files: tuple[Path, ...], api_url: str, token: str, idempotency_key: str | None,
           lane: str, status_id: str | None, cancel_id: str | None, wait: bool) -> None:
-    """Create a batch of up to 1000 FILES through the API (or --status / --cancel one)."""
+    """Create a batch of up to 1000 FILES through the API (or --status / --cancel one).
+
+    With --wait the bar counts jobs that ended (failed ones too), then a summary table
+    (succeeded / failed with error codes / cancelled) follows; exit code 1 when a job failed or
+    waits for reconciliation.
+    """
     import hashlib
     import time
 
@@ -380,15 +492,18 @@ def batch(files: tuple[Path, ...], api_url: str, token: str, idempotency_key: st
                 task = bar.add_task("jobs finished", total=b["jobs"])
                 while True:
                     b = client.batch(b["batch_id"])
-                    done = b["succeeded"] + b["failed"] + b["cancelled"]
+                    done = (b["succeeded"] + b["failed"] + b["cancelled"]
+                            + b["needs_reconciliation"])
                     bar.update(task, completed=done)
-                    if done + b["needs_reconciliation"] >= b["jobs"]:
+                    if done >= b["jobs"]:
                         break
                     time.sleep(0.5)
     counts = {k: b[k] for k in ("queued", "running", "succeeded", "failed", "cancelled",
                                 "needs_reconciliation")}
     click.echo(f"batch {b['batch_id']}: " + ", ".join(f"{k} {v}" for k, v in counts.items())
                + f"; cost so far {b['cost_so_far_usd']:.6f} USD")
+    if wait and not (cancel_id or status_id):
+        sys.exit(_summary([client.job(i) for i in b["job_ids"]]))
 
 
 def _ctx():  # type: ignore[no-untyped-def]

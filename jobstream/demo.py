@@ -117,9 +117,20 @@ def run(settings: Settings, *, tenant: str | None, timeout_s: float, services: b
     env = {**os.environ, "JOBSTREAM_DATABASE_URL": settings.database_url,
            "JOBSTREAM_KAFKA_BOOTSTRAP_SERVERS": settings.kafka_bootstrap_servers,
            "JOBSTREAM_TOPIC_PREFIX": settings.topic_prefix}
-    procs = [start("relay", ["relay"], env, run_dir),
-             start("worker", ["worker"], env, run_dir),
-             start("downstream", ["consume-ready"], env, run_dir)]
+    procs = []
+    if settings.relay == "debezium":
+        # The Debezium relay publishes the outbox (no `jobstream relay`): register it.
+        from jobstream.connect import ConnectError, deploy
+        try:
+            deploy(settings)
+        except (ConnectError, RuntimeError) as exc:
+            console.print(f"[red]the Debezium relay could not be deployed[/]: {exc}")
+            return 2
+        console.print(f"Debezium outbox connector running on {settings.connect_url}")
+    else:
+        procs.append(start("relay", ["relay"], env, run_dir))
+    procs += [start("worker", ["worker"], env, run_dir),
+              start("downstream", ["consume-ready"], env, run_dir)]
     try:
         events = [uploaded_event(d, tenant_id=tenant, idempotency_key=f"{tenant}:{d.name}",
                                  settings=settings) for d in docs]

@@ -59,7 +59,7 @@ from jobstream.db import QUERIES as Q
 from jobstream.db import connect
 from jobstream.deadletter import CONSUMED_TOPIC_HEADER, STORED_HEADER
 from jobstream.errors import PermanentError, RetryableError
-from jobstream.kafka import CONSUMED_TOPICS, base_config, producer_config
+from jobstream.kafka import CONSUMED_TOPICS, base_config, producer_config, read_headers
 from jobstream.settings import Settings
 
 log = logging.getLogger("jobstream.dlq")
@@ -186,7 +186,7 @@ def _dead_letter(msg: Message, keep_value_bytes: int | None) -> DeadLetter:
         value=value if value is None or keep_value_bytes is None else value[:keep_value_bytes],
         value_size=-1 if value is None else len(value),
         headers=tuple((str(k), v.encode() if isinstance(v, str) else v)
-                      for k, v in list(msg.headers() or [])))
+                      for k, v in read_headers(msg)))
 
 
 def _reader_config(settings: Settings, group: str) -> dict[str, Any]:

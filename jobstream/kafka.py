@@ -8,6 +8,10 @@ workers consume also has a ``<topic>.retry`` twin (transient failures, with a no
 from __future__ import annotations
 
 import contextlib
+import gc
+import logging
+import re
+import threading
 import time
 from typing import Any
 
@@ -28,6 +32,33 @@ STAGE_TOPICS = ("document.uploaded", "job.accepted", "job.text_extracted", "job.
 CONSUMED_TOPICS = (*STAGE_TOPICS, "job.ready")
 #: Event types whose topic depends on the job's lane: event type -> topic of the batch lane.
 LANE_TOPICS = {"job.chunks_ready": "job.chunks_ready.batch"}
+
+
+#: Header standing for the headers of a message confluent-kafka cannot read (see
+#: :func:`read_headers`); its value says why.
+HEADERS_UNREADABLE = "headers_unreadable"
+
+
+def read_headers(msg: Message) -> list[tuple[str, bytes | None]]:
+    """A consumed message's headers as ``(name, value)`` pairs. Call it ONCE per message.
+
+    A header name that is not UTF-8 makes confluent-kafka's ``Message.headers()`` raise
+    ``SystemError`` and leave a broken list behind that crashes the process (SIGSEGV) on the
+    next call. Such a message's headers are unreadable: they become the one header
+    :data:`HEADERS_UNREADABLE` (with the error); key and value are unaffected.
+    """
+    try:
+        raw = msg.headers() or []
+        # Sometimes the call returns normally: the list then holds a (NULL, value) tuple that
+        # crashes whoever reads it, and a UnicodeDecodeError is left pending. A NULL slot is
+        # invisible to gc.get_referents (tuples skip it), so it is found without touching it;
+        # the C calls made here, inside the try, raise the pending error if there is one.
+        if any(len(gc.get_referents(t)) != 2 for t in raw):
+            raise ValueError("a header name is not UTF-8")
+        return [(str(k), v) for k, v in raw]
+    except Exception as exc:  # SystemError / UnicodeDecodeError from the C extension
+        return [(HEADERS_UNREADABLE,
+                 f"{type(exc).__name__}: {exc}"[:500].encode("utf-8", "backslashreplace"))]
 
 
 def dlq_headers(reason_code: str, reason: str, topic: str, partition: int,
@@ -55,14 +86,64 @@ def all_topics(settings: Settings) -> list[str]:
     return [settings.topic(n) for n in names]
 
 
-def base_config(settings: Settings) -> dict[str, Any]:
-    """librdkafka settings common to every client (bootstrap + pass-through extras)."""
-    import logging
+class LibrdkafkaLogger:
+    """Where librdkafka's log lines go (the ``logger`` client setting) instead of raw
+    ``%4|<time>|<FAC>|<client>| ...`` lines on stderr: the Python logger
+    ``jobstream.rdkafka``, WARNING and above only, as ``librdkafka <FACILITY>: <text>``.
 
-    from jobstream.outage import RDKAFKA_LOGGER
-    # librdkafka logs through Python logging, where jobstream.outage collapses an outage.
-    return {"bootstrap.servers": settings.kafka_bootstrap_servers,
-            "logger": logging.getLogger(RDKAFKA_LOGGER), **settings.kafka_extra}
+    A line that repeats (same level, facility and text, numbers aside) within ``window_s``
+    seconds is counted, not written again; the count is written as ``... (repeated N times in
+    Xs)`` with the next different line or the next repeat after the window. Thread-safe:
+    librdkafka calls it from its own threads.
+    """
+
+    def __init__(self, name: str = "jobstream.rdkafka", window_s: float = 60.0) -> None:
+        self.out = logging.getLogger(name)
+        self.window_s = window_s
+        self._lock = threading.Lock()
+        self._last: tuple[int, str, str] | None = None
+        self._last_text = ""
+        self._since = 0.0
+        self._repeats = 0
+
+    def _flush(self) -> None:
+        if self._last is not None and self._repeats:
+            level, fac, _ = self._last
+            self.out.log(level, "librdkafka %s: %s (repeated %d times in %.0fs)", fac,
+                         self._last_text, self._repeats, time.monotonic() - self._since)
+        self._repeats = 0
+
+    def log(self, level: int, fmt: str, *args: Any) -> None:
+        """Called by confluent-kafka as ``logger.log(level, "%s [%s] %s", facility, client,
+        text)`` with a Python logging level."""
+        if level < logging.WARNING or not self.out.isEnabledFor(level):
+            return
+        fac = str(args[0]) if args else "?"
+        text = (fmt % args) if args else fmt
+        if len(args) == 3:
+            text = f"[{args[1]}] {args[2]}"
+        key = (level, fac, re.sub(r"\d+", "N", text))
+        with self._lock:
+            now = time.monotonic()
+            if key == self._last and now - self._since < self.window_s:
+                self._repeats += 1
+                return
+            self._flush()
+            self._last, self._last_text, self._since = key, text, now
+            self.out.log(level, "librdkafka %s: %s", fac, text)
+
+
+#: One per process: repeats are folded over every client of the process.
+LIBRDKAFKA_LOG = LibrdkafkaLogger()
+
+
+def base_config(settings: Settings) -> dict[str, Any]:
+    """librdkafka settings common to every client (bootstrap + pass-through extras), with its
+    log routed through Python logging (:class:`LibrdkafkaLogger`, logger
+    ``jobstream.rdkafka`` = :data:`jobstream.outage.RDKAFKA_LOGGER`, where an outage collapses
+    to one line at its start and one at its end)."""
+    return {"bootstrap.servers": settings.kafka_bootstrap_servers, "logger": LIBRDKAFKA_LOG,
+            **settings.kafka_extra}
 
 
 def producer_config(settings: Settings, **extra: Any) -> dict[str, Any]:

@@ -23,6 +23,7 @@ leases_expired{stage}                        gauge     running stages whose leas
 provider_attempts_total{outcome,model_profile} counter finished provider_attempt rows
 provider_attempts_in_flight{model_profile}   gauge     provider_attempt rows still ``started``
 provider_unknown_outcomes_total{model_profile} counter outcome ``outcome_unknown`` or ``abandoned``
+provider_rate_limited_total{model_profile}   counter   attempts the provider answered 429
 provider_cost_usd_total{model_profile}       counter   sum(provider_attempt.cost_usd)
 cost_per_accepted_job_usd                    gauge     provider cost (all attempts, all jobs) /
                                                        accepted jobs; NaN before the first
@@ -30,12 +31,19 @@ queue_wait_seconds{stage,lane}               gauge histogram  previous checkpoin
                                                        this stage's claim, stages finished in
                                                        the last ``metrics_window_s``
 stage_duration_seconds{stage,lane}           gauge histogram  claim -> checkpoint, same window
+provider_latency_seconds{model_profile,lane} gauge histogram  provider attempts' latency, same
+                                                       window
 outbox_backlog                               gauge     unpublished outbox rows
 outbox_oldest_age_seconds                    gauge     age of the oldest unpublished row
+replication_slot_retained_bytes{slot}        gauge     WAL held back by a logical slot (bytes)
+replication_slot_active{slot}                gauge     1 when the slot is being streamed
 dead_letters_stored{source,reason_code}      gauge     dead_letter rows not replayed (a DLQ
                                                        that refused them, relay-parked rows)
 consumer_lag_messages{group,topic}           gauge     high watermark - committed offset
 consumer_group_lag_messages{group}           gauge     the same, summed per group
+topic_produced_total{topic}                  counter   messages ever written to a ``.retry`` /
+                                                       ``.dlq`` twin (sum of high watermarks)
+topic_retained_messages{topic}               gauge     messages a twin holds now (high - low)
 provider_limit_window{profile}               gauge     the shared AIMD window (calls in flight)
 provider_limit_max{profile}                  gauge     the window's ceiling
 provider_limit_in_flight{profile}            gauge     slots of the shared limit held now
@@ -81,14 +89,17 @@ NS = "jobstream"
 
 
 def _histogram(name: str, doc: str, rows: Iterable[dict[str, Any]],
-               bounds: tuple[float, ...] = BUCKETS_S) -> GaugeHistogramMetricFamily:
-    """A gauge histogram per (stage, lane) from rows ``(stage, lane, idx, n, sum_s)``: ``n``
-    values fell in bucket ``idx`` (value <= ``bounds[idx]``; ``idx == len(bounds)``: above
-    every bound). Buckets are cumulative, as Prometheus expects."""
-    fam = GaugeHistogramMetricFamily(name, doc, labels=["stage", "lane"])
+               bounds: tuple[float, ...] = BUCKETS_S,
+               labels: tuple[str, str] = ("stage", "lane")) -> GaugeHistogramMetricFamily:
+    """A gauge histogram per (stage, lane) (or the two ``labels``) from rows ``(stage, lane,
+    idx, n, sum_s)``: ``n`` values fell in bucket ``idx`` (value <= ``bounds[idx]``;
+    ``idx == len(bounds)``: above every bound). Buckets are cumulative, as Prometheus
+    expects."""
+    fam = GaugeHistogramMetricFamily(name, doc, labels=list(labels))
     per: dict[tuple[str, str], tuple[list[int], list[float]]] = {}
     for r in rows:
-        counts, total = per.setdefault((r["stage"], r["lane"]), ([0] * (len(bounds) + 1), [0.0]))
+        counts, total = per.setdefault((r[labels[0]], r[labels[1]]),
+                                       ([0] * (len(bounds) + 1), [0.0]))
         counts[min(int(r["idx"]), len(bounds))] += int(r["n"])
         total[0] += float(r["sum_s"] or 0.0)
     for (stage, lane), (counts, total) in sorted(per.items()):
@@ -149,12 +160,16 @@ def postgres_families(snap: dict[str, list[dict[str, Any]]]) -> list[Metric]:
                                   labels=["model_profile"])
     cost = CounterMetricFamily(f"{NS}_provider_cost_usd", "Provider cost of every attempt "
                                "(USD).", labels=["model_profile"])
+    limited = CounterMetricFamily(f"{NS}_provider_rate_limited", "Provider attempts answered "
+                                  "429 (rate limited).", labels=["model_profile"])
     cost_by: dict[str, float] = {}
     unknown_by: dict[str, int] = {}
+    limited_by: dict[str, int] = {}
     for r in snap["provider_attempts"]:
         profile = r["model_profile"]
         cost_by[profile] = cost_by.get(profile, 0.0) + float(r["cost_usd"])
         unknown_by.setdefault(profile, 0)
+        limited_by[profile] = limited_by.get(profile, 0) + int(r.get("rate_limited") or 0)
         if r["outcome"] == "started":
             in_flight.add_metric([profile], int(r["n"]))
             continue
@@ -164,6 +179,7 @@ def postgres_families(snap: dict[str, list[dict[str, Any]]]) -> list[Metric]:
     for profile in sorted(cost_by):
         cost.add_metric([profile], cost_by[profile])
         unknown.add_metric([profile], unknown_by[profile])
+        limited.add_metric([profile], limited_by[profile])
     n_accepted = sum(ok for _, ok in lanes.values())
     per_job = GaugeMetricFamily(
         f"{NS}_cost_per_accepted_job_usd", "Provider cost of every attempt of every job "
@@ -188,20 +204,33 @@ def postgres_families(snap: dict[str, list[dict[str, Any]]]) -> list[Metric]:
         ceiling.add_metric([r["profile"]], float(r["max_limit"]))
         holding.add_metric([r["profile"]], int(r["in_flight"]))
         halved.add_metric([r["profile"]], int(r["decreases"]))
+    retained = GaugeMetricFamily(f"{NS}_replication_slot_retained_bytes", "WAL a logical "
+                                 "replication slot of this database holds back: current LSN - "
+                                 "restart_lsn (bytes). Grows while the Debezium relay is down.",
+                                 labels=["slot"])
+    slot_active = GaugeMetricFamily(f"{NS}_replication_slot_active", "1 when a walsender "
+                                    "(the Debezium connector) streams from the slot.",
+                                    labels=["slot"])
+    for r in snap.get("replication_slots", []):
+        retained.add_metric([r["slot"]], int(r["retained_bytes"]))
+        slot_active.add_metric([r["slot"]], 1 if r["active"] else 0)
     stored = GaugeMetricFamily(f"{NS}_dead_letters_stored", "Dead letters kept in the Postgres "
                                "dead_letter table and not replayed (source: consumer or relay).",
                                labels=["source", "reason_code"])
     for r in snap.get("dead_letters", []):
         stored.add_metric([r["source"], r["reason_code"]], int(r["n"]))
-    return [window, ceiling, holding, halved, stored,
+    return [window, ceiling, holding, halved, retained, slot_active, stored,
             created, accepted, by_status, runs, retries, rate, takeovers, expired, attempts,
-            in_flight, unknown, cost, per_job, backlog, age,
+            in_flight, unknown, limited, cost, per_job, backlog, age,
             _histogram(f"{NS}_queue_wait_seconds", "Queue wait of stages finished in the "
                        "metrics window: previous checkpoint's finish -> this stage's claim "
                        "(seconds).", snap["queue_waits"]),
             _histogram(f"{NS}_stage_duration_seconds", "Run time of stages finished in the "
                        "metrics window: claim -> checkpoint (seconds).",
-                       snap["stage_durations"])]
+                       snap["stage_durations"]),
+            _histogram(f"{NS}_provider_latency_seconds", "Latency of provider attempts "
+                       "finished in the metrics window: request sent -> answer (seconds).",
+                       snap.get("provider_latency", []), labels=("model_profile", "lane"))]
 
 
 @dataclass
@@ -281,6 +310,25 @@ class KafkaLag:
                 continue  # a deleted topic or a partition without a leader: no number
         return out
 
+    def twins(self) -> dict[str, tuple[int, int]]:
+        """Every ``.retry`` and ``.dlq`` twin (full name) -> ``(messages ever written,
+        messages held now)``: the sums over partitions of the high watermark and of high - low.
+        A twin that does not exist (yet) is left out. Raises ``KafkaException``."""
+        from jobstream.kafka import CONSUMED_TOPICS, STAGE_TOPICS
+        s = self.settings
+        names = ([s.topic(f"{t}.retry") for t in STAGE_TOPICS]
+                 + [s.topic(f"{t}.dlq") for t in CONSUMED_TOPICS])
+        md = self.admin.list_topics(timeout=self.timeout_s).topics
+        parts = {(t, p) for t in names if t in md and md[t].error is None
+                 for p in md[t].partitions}
+        hi = self._offsets(parts, OffsetSpec.latest())
+        lo = self._offsets(parts, OffsetSpec.earliest())
+        out: dict[str, tuple[int, int]] = {}
+        for (t, p), h in sorted(hi.items()):
+            produced, held = out.get(t, (0, 0))
+            out[t] = (produced + h, held + max(h - lo.get((t, p), h), 0))
+        return out
+
     def lag(self) -> list[GroupLag]:
         """The lag of every group (a group with no committed or assigned partition has an
         empty ``topics``). Raises ``KafkaException`` when the cluster does not answer."""
@@ -305,8 +353,12 @@ class KafkaLag:
         return out
 
 
-def kafka_families(lags: list[GroupLag]) -> list[Metric]:
-    """``consumer_lag_messages{group,topic}`` and ``consumer_group_lag_messages{group}``."""
+def kafka_families(lags: list[GroupLag],
+                   twins: dict[str, tuple[int, int]] | None = None) -> list[Metric]:
+    """``consumer_lag_messages{group,topic}`` and ``consumer_group_lag_messages{group}``; with
+    ``twins`` (topic -> (messages ever written, messages held now), from
+    :meth:`KafkaLag.twins`) also ``topic_produced_total{topic}`` and
+    ``topic_retained_messages{topic}``."""
     per_topic = GaugeMetricFamily(f"{NS}_consumer_lag_messages", "Messages between a "
                                   "group's committed offset and the high watermark, per "
                                   "topic.", labels=["group", "topic"])
@@ -317,7 +369,15 @@ def kafka_families(lags: list[GroupLag]) -> list[Metric]:
             per_topic.add_metric([gl.group, topic], n)
         if gl.topics:
             per_group.add_metric([gl.group], gl.total)
-    return [per_topic, per_group]
+    produced = CounterMetricFamily(f"{NS}_topic_produced", "Messages ever written to a .retry "
+                                   "or .dlq topic (sum of its high watermarks).",
+                                   labels=["topic"])
+    held = GaugeMetricFamily(f"{NS}_topic_retained_messages", "Messages a .retry or .dlq "
+                             "topic holds now (high - low watermark).", labels=["topic"])
+    for topic, (n_written, n_held) in sorted((twins or {}).items()):
+        produced.add_metric([topic], n_written)
+        held.add_metric([topic], n_held)
+    return [per_topic, per_group, produced, held]
 
 
 class JobstreamCollector(Collector):
@@ -371,7 +431,7 @@ class JobstreamCollector(Collector):
         try:
             if self._kafka is None:
                 self._kafka = KafkaLag(s)
-            out += kafka_families(self._kafka.lag())
+            out += kafka_families(self._kafka.lag(), self._kafka.twins())
             up.add_metric(["kafka"], 1)
         except (KafkaException, TimeoutError) as exc:
             log.warning("metrics: kafka unavailable: %s", exc)

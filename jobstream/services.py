@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 from pathlib import Path
@@ -41,7 +42,10 @@ def postgres_answers(url: str) -> bool:
 def kafka_answers(bootstrap: str) -> bool:
     """True when a Kafka broker at ``bootstrap`` returns metadata within 5 s."""
     try:
-        md = AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=5)
+        # A probe: "connection refused" is its answer, not something to log.
+        md = AdminClient({"bootstrap.servers": bootstrap,
+                          "logger": logging.getLogger("jobstream.services.probe")}
+                         ).list_topics(timeout=5)
         return bool(md.brokers)
     except Exception:  # librdkafka raises KafkaException on timeout
         return False

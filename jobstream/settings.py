@@ -210,6 +210,33 @@ class Settings(BaseSettings):
     gc_interval_s: float = Field(
         300.0, gt=0, description="The active relay runs retention (gc) this often (seconds)."
     )
+    relay: Literal["python", "debezium"] = Field(
+        "python", description="What publishes the outbox: the Python relay (`jobstream relay`) "
+                              "or Debezium on Kafka Connect (`jobstream connect deploy`).",
+    )
+    connect_url: str = Field(
+        "http://127.0.0.1:8083", description="Kafka Connect REST API (the Debezium relay)."
+    )
+    connect_connector_name: str = Field(
+        "", description="Name of the Debezium outbox connector (default: "
+                        "jobstream-outbox-<database name>)."
+    )
+    replication_slot: str = Field(
+        "", description="Logical replication slot of the Debezium relay; slot names are "
+                        "cluster-wide (default: jobstream_<database name>)."
+    )
+    publication: str = Field(
+        "jobstream_outbox", description="Publication the Debezium relay reads: the outbox "
+                                        "table only."
+    )
+    connect_heartbeat_s: float = Field(
+        10.0, gt=0, description="The Debezium connector touches relay_heartbeat this often, so "
+                                "its slot advances on a quiet database (seconds)."
+    )
+    slot_retained_alert_bytes: int = Field(
+        1024 ** 3, ge=0, description="jobstream verify flags a replication slot retaining more "
+                                     "WAL than this (bytes)."
+    )
     gc_batch_size: int = Field(
         5000, ge=1, description="Retention deletes at most this many rows per transaction."
     )
@@ -310,6 +337,10 @@ class Settings(BaseSettings):
     )
     api_emit_uploaded: bool = Field(
         False, description="The API also writes document.uploaded to the outbox for others."
+    )
+    sse_keepalive_s: float = Field(
+        15.0, gt=0, description="Server-Sent Events: a keep-alive comment after this many "
+                                "seconds without an event (seconds; proxies cut idle streams)."
     )
 
     @model_validator(mode="after")

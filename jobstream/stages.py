@@ -219,11 +219,20 @@ def handle_intake(ctx: StageContext, ev: DocumentUploaded, *, conn: Any = None,
                 pipeline=p.pipeline, prompt_version=p.prompt_version,
                 model_profile=p.model_profile, lane=p.lane))
 
+    def restart(conn: Any, job_id: uuid.UUID) -> bool:
+        # A new intent for a computation that failed or was cancelled: a new run of its job
+        # (a redrive: new generation, finished stages re-emitted, not redone).
+        try:
+            redrive(ctx, job_id, allowed=("failed", "cancelled"), conn=conn)
+        except ValueError:
+            return False  # its state changed meanwhile: the key reuses the job as it is
+        return True
+
     extra = [_msg(ctx, ev)] if emit_uploaded else []
     return ctx.store.intake(tenant_id=ev.tenant_id, idempotency_key=ev.idempotency_key,
                             request_hash=rh, request_id=ev.request_id, job=job, content=content,
                             accepted=accepted, topic=ctx.settings.topic("job.accepted"),
-                            conn=conn, extra=extra)
+                            conn=conn, extra=extra, restart=restart)
 
 
 # ---------------------------------------------------------------------------------- stages
@@ -732,7 +741,8 @@ CONSUMES = {spec.stage: spec.consumes for spec in SPECS.values()}
 
 def redrive(ctx: StageContext, job_id: uuid.UUID, from_stage: str | None = None,
             allowed: tuple[str, ...] = ("failed", "needs_reconciliation", "succeeded"),
-            fence: tuple[str, uuid.UUID, float] | None = None) -> str:
+            fence: tuple[str, uuid.UUID, float] | None = None,
+            conn: Any = None) -> str:
     """Send a job through its stages again from ``from_stage`` (default: the first stage that
     is not succeeded, else the first stage). Finished stages whose code version is unchanged are
     re-emitted, not redone; a stage that re-runs invalidates the stages after it. A result that
@@ -743,7 +753,8 @@ def redrive(ctx: StageContext, job_id: uuid.UUID, from_stage: str | None = None,
 
     Returns the stage the job restarts at. Raises ``KeyError`` (no job / unknown stage),
     ``ValueError`` (job status not in ``allowed``, or nothing to restart from) and
-    :class:`StaleRun` (``fence`` no longer holds).
+    :class:`StaleRun` (``fence`` no longer holds). ``conn``: re-drive in the caller's
+    transaction (intake's new run of a failed or cancelled job).
     """
     def plan(job: dict[str, Any], rows: dict[str, Any]) -> tuple[Any, ...]:
         nonlocal from_stage
@@ -764,7 +775,7 @@ def redrive(ctx: StageContext, job_id: uuid.UUID, from_stage: str | None = None,
         return (_msg(ctx, ev, job["lane"]), stages_from, [ctx.group(st) for st in stages_from],
                 [CONSUMES[st] for st in stages_from])
 
-    ctx.store.redrive(job_id, plan=plan, allowed=allowed, fence=fence)
+    ctx.store.redrive(job_id, plan=plan, allowed=allowed, fence=fence, conn=conn)
     assert from_stage is not None
     return from_stage
 

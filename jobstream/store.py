@@ -8,6 +8,7 @@ strings the database cannot store, e.g. NUL) becomes :class:`PoisonMessage` ``in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from collections.abc import Iterator
@@ -34,10 +35,14 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 
 @dataclass(frozen=True)
 class IntakeResult:
-    """``job_id`` of the intent; ``created`` is False when the job already existed."""
+    """``job_id`` of the intent; ``created`` is False when the job already existed. ``dedup``:
+    ``new`` (created), ``replayed`` (the same idempotency key again), ``reused`` (another key
+    for the same computation, which succeeded or is still running) or ``restarted`` (the same
+    computation had failed or was cancelled: a new run of its job started)."""
 
     job_id: uuid.UUID
     created: bool
+    dedup: str = "replayed"
 
 
 @dataclass(frozen=True)
@@ -207,7 +212,8 @@ class Store:
     def intake(self, *, tenant_id: str, idempotency_key: str, request_hash: str,
                request_id: str, job: dict[str, Any], content: bytes,
                accepted: Any, topic: str, conn: psycopg.Connection | None = None,
-               extra: list[OutboxMessage] = ()) -> IntakeResult:  # type: ignore[assignment]
+               extra: list[OutboxMessage] = (),  # type: ignore[assignment]
+               restart: Any = None) -> IntakeResult:
         """Create a job for one client intent, in ONE transaction: document, job, idempotency
         record, ``uploaded`` checkpoint and the ``job.accepted`` outbox row (plus ``extra``
         outbox rows, e.g. a ``document.uploaded`` for other consumers).
@@ -217,6 +223,9 @@ class Store:
         (a savepoint is used). The same (tenant, idempotency_key) again returns the same job
         with no new work; a second key for the same dedup_key is bound to the existing job.
         Raises :class:`IdempotencyConflict` when the key was used with a different body.
+        ``restart``: ``(conn, job_id) -> bool``, called when a new key is bound to a job that
+        failed or was cancelled, in the same transaction; it starts a new run of that job and
+        returns False when the job's state changed meanwhile (then the key reuses the job).
 
         Intake is where a job's trace starts: the job keeps the trace-id of the current span
         (the incoming event's or request's ``traceparent``), or of a new trace.
@@ -226,19 +235,21 @@ class Store:
         with tracing.use(span):
             if conn is not None:
                 return self._intake_in(conn, tenant_id, idempotency_key, request_hash,
-                                       request_id, job, content, accepted, topic, list(extra))
+                                       request_id, job, content, accepted, topic, list(extra),
+                                       restart)
             try:
                 with self.connection() as own:
                     return self._intake_in(own, tenant_id, idempotency_key, request_hash,
                                            request_id, job, content, accepted, topic,
-                                           list(extra))
+                                           list(extra), restart)
             except psycopg.OperationalError as exc:
                 raise RetryableError(f"database unavailable: {exc}",
                                      code="db_unavailable") from None
 
     def _intake_in(self, conn: psycopg.Connection, tenant_id: str, idempotency_key: str,
                    request_hash: str, request_id: str, job: dict[str, Any], content: bytes,
-                   accepted: Any, topic: str, extra: list[OutboxMessage]) -> IntakeResult:
+                   accepted: Any, topic: str, extra: list[OutboxMessage],
+                   restart: Any = None) -> IntakeResult:
         for _ in range(3):  # a concurrent identical intent may win the insert race: re-read
             try:
                 with conn.transaction():
@@ -270,7 +281,10 @@ class Store:
                         conn.execute(Q["insert_request"], (tenant_id, idempotency_key,
                                                            request_hash, existing["job_id"],
                                                            request_id))
-                        return IntakeResult(existing["job_id"], False)
+                        if (restart is not None and existing["status"] in ("failed", "cancelled")
+                                and restart(conn, existing["job_id"])):
+                            return IntakeResult(existing["job_id"], False, "restarted")
+                        return IntakeResult(existing["job_id"], False, "reused")
                     job_id = created["job_id"]
                     conn.execute(Q["insert_request"], (tenant_id, idempotency_key, request_hash,
                                                        job_id, request_id))
@@ -282,7 +296,7 @@ class Store:
                     self.add_outbox(conn, outbox_message(topic, event))
                     for msg in extra:
                         self.add_outbox(conn, msg)
-                    return IntakeResult(job_id, True)
+                    return IntakeResult(job_id, True, "new")
             except psycopg.errors.UniqueViolation:
                 continue
             except psycopg.DataError as exc:  # e.g. a NUL in a text column: the request's fault
@@ -512,7 +526,8 @@ class Store:
                                                  event_id, job_id))
 
     def redrive(self, job_id: uuid.UUID, *, plan: Any, allowed: tuple[str, ...],
-                fence: tuple[str, uuid.UUID, float] | None = None) -> str:
+                fence: tuple[str, uuid.UUID, float] | None = None,
+                conn: psycopg.Connection | None = None) -> str:
         """Re-drive a job (ONE transaction): forget the stage workers' idempotent-consumer rows
         for the job, reopen failed or parked stages, reopen the job, and write the first
         stage's input event to the outbox.
@@ -530,8 +545,11 @@ class Store:
         (times the job's sweep backoff) ago; the re-drive counts one sweep of the job. Returns
         the job's previous status. Raises ``KeyError`` (no such job), ``ValueError`` (status not
         in ``allowed``) or :class:`StaleRun` (``fence`` no longer holds: nothing written).
+        ``conn``: in the caller's transaction instead (intake's new run of a failed or
+        cancelled job). A cancelled job's cancel request is cleared: its new run is not
+        cancelled.
         """
-        with self.tx() as conn:
+        with self.tx() if conn is None else contextlib.nullcontext(conn) as conn:
             if fence is not None:  # the sweeper: never stall behind a frozen transaction
                 conn.execute(Q["sweeper_lock_timeout"])
             job = conn.execute(Q["get_job_for_update"], (job_id,)).fetchone()
@@ -550,6 +568,8 @@ class Store:
             conn.execute(Q["reopen_job"], (job["generation"] + 1, job_id))
             for st in stages:
                 conn.execute(Q["close_orphan_attempts"], {"job_id": job_id, "stage": st})
+            if job["status"] == "cancelled":
+                conn.execute(Q["clear_cancel"], (job_id,))
             self.add_outbox(conn, msg)
             return str(job["status"])
 
@@ -730,12 +750,14 @@ class Store:
 
         Returns rows per key: ``jobs`` (lane, status, n), ``stage_runs`` (stage, runs,
         retries, lease_takeovers, expired_now), ``provider_attempts`` (outcome,
-        model_profile, n, cost_usd), ``outbox`` (n, oldest_s), ``provider_limit`` (profile,
+        model_profile, n, cost_usd), ``outbox`` (n, oldest_s), ``replication_slots`` (slot,
+        active, wal_status, retained_bytes, unconfirmed_bytes), ``provider_limit`` (profile,
         limit_now, max_limit, interactive_reserved, decreases, in_flight), ``dead_letters``
         (source, reason_code, n: dead_letter rows not replayed), and
         ``stage_durations`` /
         ``queue_waits`` (stage, lane, idx, n, sum_s: counts per bucket ``idx`` of ``bounds``,
-        seconds, over stages finished in the last ``window_s`` seconds). Raises
+        seconds, over stages finished in the last ``window_s`` seconds), ``provider_latency``
+        (model_profile, lane, idx, n, sum_s: the same over provider attempts). Raises
         :class:`RetryableError` when Postgres is unavailable or a statement timed out.
         """
         stages = list(STAGES[1:])
@@ -748,9 +770,11 @@ class Store:
                 "stage_runs": list(conn.execute(Q["metrics_stage_runs"])),
                 "provider_attempts": list(conn.execute(Q["metrics_provider_attempts"])),
                 "outbox": list(conn.execute(Q["outbox_backlog"])),
+                "replication_slots": list(conn.execute(Q["replication_slots"])),
                 "provider_limit": list(conn.execute(Q["limit_state"])),
                 "dead_letters": list(conn.execute(Q["metrics_dead_letters"])),
                 "stage_durations": list(conn.execute(Q["metrics_stage_durations"], window)),
+                "provider_latency": list(conn.execute(Q["metrics_provider_latency"], window)),
                 "queue_waits": list(conn.execute(Q["metrics_queue_waits"], {
                     **window, "stages": stages, "prevs": list(STAGES[:-1])})),
             }

@@ -104,6 +104,9 @@ def extract_text(content: bytes, content_type: str,
                                  code="not_a_pdf")
         text, pages = _run_pdf_child(content, limits)
     text = text.replace("\x00", "").replace("\r\n", "\n")
+    # A broken ToUnicode CMap can give pypdf lone surrogates, which no UTF-8 (hash, database)
+    # can hold: pairs become their character, lone ones U+FFFD.
+    text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
     if len(text) > limits.max_text_chars:
         raise PermanentError(f"{len(text)} characters of text; the limit is "
                              f"{limits.max_text_chars}", code="extracted_text_too_large")

@@ -27,6 +27,8 @@ orphan_attempts     a provider attempt is still ``started`` while its run holds 
 outbox_unpublished  an outbox row is unpublished longer than ``outbox_age_s``
 paid_twice          a chunk has more than one succeeded (billed) provider attempt (with why)
 consumer_lag        a consumer group is more than ``max_lag`` messages behind
+replication_slot    a logical replication slot is inactive or retains more WAL than
+                    ``slot_retained_alert_bytes`` (the Debezium relay; :mod:`jobstream.connect`)
 =================== ===============================================================================
 
 Downstreams are plug-ins too (``DOWNSTREAMS``: name -> :class:`Downstream`); the example
@@ -228,6 +230,16 @@ def consumer_lag(ctx: VerifyContext) -> list[Finding]:
     return [Finding("consumer_lag", [], f"group {gl.group} is {gl.total} messages behind "
                     f"(bound {ctx.max_lag}): {gl.topics}")
             for gl in KafkaLag(ctx.settings).lag() if gl.total > ctx.max_lag]
+
+
+@check("replication_slot")
+def replication_slot(ctx: VerifyContext) -> list[Finding]:
+    """Logical replication slots of this database that are inactive (they retain WAL until
+    the disk fills) or retain more than ``slot_retained_alert_bytes``, and a missing slot when
+    ``JOBSTREAM_RELAY=debezium`` (:func:`jobstream.connect.check_replication_slot`)."""
+    from jobstream.connect import check_replication_slot
+    return [Finding("replication_slot", [], f"{f.severity}: {f.message}")
+            for f in check_replication_slot(ctx.settings) if not f.ok]
 
 
 @dataclass

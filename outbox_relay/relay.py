@@ -48,6 +48,7 @@ from jobstream.settings import Settings
 log = logging.getLogger("jobstream.relay")
 
 RELAY_LOCK_ID = 0x6F757462  # "outb": the active-relay advisory lock
+HOUSEKEEPING_LOCK_ID = 0x6F757463  # the same for --housekeeping-only (Debezium publishes)
 CHANNEL = "outbox_v1"
 GC_MAX_BATCHES = 20  # per table and run: retention must not hold up publishing for long
 
@@ -100,11 +101,16 @@ class RelayStats:
 class OutboxRelay:
     """Publishes the outbox until :meth:`stop` is called (thread-safe) or a signal arrives."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, housekeeping_only: bool = False) -> None:
         self.settings = settings
+        #: Only the sweeper and retention, never publish: the Debezium relay publishes.
+        self.housekeeping_only = housekeeping_only
         self.stats = RelayStats()
         self._stop = threading.Event()
-        self._producer = Producer(producer_config(settings, **{"client.id": "jobstream-relay"}))
+        # murmur2_random: the Java client's partitioner, so a key lands on the partition
+        # Kafka Connect (the Debezium relay) would choose: one key, one partition, either relay.
+        self._producer = Producer(producer_config(settings, **{"client.id": "jobstream-relay",
+                                                               "partitioner": "murmur2_random"}))
         self._ctx: Any = None  # StageContext of the sweeper, made on first use
 
     def stop(self, *_: Any) -> None:
@@ -262,7 +268,8 @@ class OutboxRelay:
     def _acquire_lock(self, conn: psycopg.Connection) -> bool:
         standing_by = False
         while not self._stop.is_set():
-            row = conn.execute(Q["relay_try_lock"], (RELAY_LOCK_ID,)).fetchone()
+            lock = HOUSEKEEPING_LOCK_ID if self.housekeeping_only else RELAY_LOCK_ID
+            row = conn.execute(Q["relay_try_lock"], (lock,)).fetchone()
             health.ok()
             if row and row["locked"]:
                 return True
@@ -315,12 +322,14 @@ class OutboxRelay:
                     if not self._acquire_lock(conn):
                         break
                     conn.execute(f"LISTEN {CHANNEL}")  # constant channel name, not input
-                    log.info("relay active (lock held); publishing outbox")
+                    log.info("housekeeping active (lock held): sweeper and retention, not "
+                             "publishing" if self.housekeeping_only
+                             else "relay active (lock held); publishing outbox")
                     backoff = 0.5
                     retry_s = 0.5
                     while not self._stop.is_set():
                         try:
-                            n = self.publish_batch(conn)
+                            n = 0 if self.housekeeping_only else self.publish_batch(conn)
                             health.ok()
                             retry_s = 0.5
                         except DeliveryFailed as exc:
@@ -359,9 +368,19 @@ class OutboxRelay:
         return self.stats
 
 
-def main(settings: Settings) -> int:
-    """Run a relay in the foreground until SIGINT/SIGTERM; returns the exit code."""
-    relay = OutboxRelay(settings)
+def main(settings: Settings, *, housekeeping_only: bool = False) -> int:
+    """Run a relay in the foreground until SIGINT/SIGTERM; returns the exit code (2 when
+    the Debezium relay owns the outbox: the two must never publish the same rows).
+    ``housekeeping_only``: run only the sweeper and retention (one active instance, under its
+    own lock), never publish: what the Debezium relay needs beside it."""
+    from jobstream.connect import relay_refusal
+    reason = None if housekeeping_only else relay_refusal(settings)
+    if reason is not None:
+        log.error("the Python relay refuses to start: %s (`jobstream relay "
+                  "--housekeeping-only` runs the sweeper and retention without publishing)",
+                  reason)
+        return 2
+    relay = OutboxRelay(settings, housekeeping_only=housekeeping_only)
     signal.signal(signal.SIGTERM, relay.stop)
     signal.signal(signal.SIGINT, relay.stop)
     stats = relay.run()

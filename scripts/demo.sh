@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The README's main command: install the project, start local Kafka + Postgres (reusing what
-# already answers), and run `jobstream demo` on /usr/share/common-licenses (+ PDFs).
+# The README's main command: create the project's virtual environment from uv.lock (.venv,
+# scripts/venv.sh), start local Kafka + Postgres (reusing what already answers), and run
+# `jobstream demo` on /usr/share/common-licenses (+ PDFs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install --quiet --disable-pip-version-check -e .
+bash scripts/venv.sh
 bash scripts/services.sh up
-exec jobstream demo "$@"
+exec .venv/bin/jobstream demo "$@"

@@ -14,18 +14,20 @@ set -euo pipefail
 usage() {
   cat <<'EOF'
 Usage: scripts/services.sh {up|down|status|env} [--help]
-       scripts/services.sh {start|stop|restart|status} [kafka|postgres] [--immediate]
+       scripts/services.sh {start|stop|restart|status} [kafka|postgres|connect] [--immediate]
 
 Commands
   up       Install (if needed) and start Kafka and PostgreSQL. Idempotent: a
            service that already answers at its configured address is reused.
+           With JOBSTREAM_RELAY=debezium also a Kafka Connect worker (distributed
+           mode) with the Debezium PostgreSQL connector and its Outbox Event Router.
   down     Stop the services this script started (Kafka via its pid file,
            PostgreSQL via pg_ctl). Services it did not start are left alone.
   status   Print up/down for each service; exit 0 if both answer, 3 otherwise.
   env      Print `export ...` lines for the project settings:
              eval "$(scripts/services.sh env)"
 
-  start [SERVICE]                 `up` for one service (kafka or postgres); all without SERVICE.
+  start [SERVICE]                 `up` for one service (kafka, postgres or connect); all without SERVICE.
   stop [SERVICE] [--immediate]    `down` for one service; all without SERVICE.
            --immediate simulates a crash instead of a clean shutdown: Kafka gets
            SIGKILL, PostgreSQL `pg_ctl stop -m immediate` (crash recovery on start).
@@ -43,10 +45,20 @@ Environment (all optional)
                    (default: postgresql://jobstream:jobstream@127.0.0.1:$JOBSTREAM_PG_PORT/jobstream)
   JOBSTREAM_KAFKA_HEAP_OPTS          broker heap          (default: -Xmx2g -Xms512m)
   JOBSTREAM_KAFKA_START_TIMEOUT      seconds to wait for the broker (default: 60)
+  JOBSTREAM_RELAY                    python (default) or debezium: with debezium, `up`/`down`
+                                     also manage the Kafka Connect worker
+  JOBSTREAM_CONNECT_PORT             Connect REST port    (default: 8083)
+  JOBSTREAM_CONNECT_GROUP            Connect group.id; its config/offset/status topics are
+                                     <group>-configs|-offsets|-status (default: jobstream-connect)
+  JOBSTREAM_CONNECT_DIR              worker state (config, logs, pid) (default: $JOBSTREAM_HOME/connect)
+  JOBSTREAM_CONNECT_HEAP_OPTS        worker heap          (default: -Xmx768m -Xms256m)
+  JOBSTREAM_CONNECT_START_TIMEOUT    seconds to wait for the worker's REST API (default: 120)
 
 Layout
   $JOBSTREAM_HOME/kafka/{libs,config,data,logs,kafka.pid,cluster.id}
   $JOBSTREAM_HOME/pg/{data,run,log}
+  $JOBSTREAM_HOME/connect/libs       Connect + Debezium jars (scripts/connect-pom.xml)
+  $JOBSTREAM_CONNECT_DIR/{config,logs,connect.pid}
 
 Requires Debian (apt-get) and root only when something must be installed;
 Java 17+, Maven and PostgreSQL are installed via apt only if missing.
@@ -87,6 +99,23 @@ KAFKA_LOGS=$KAFKA_DIR/logs
 KAFKA_PID=$KAFKA_DIR/kafka.pid
 KAFKA_CLUSTER_ID_FILE=$KAFKA_DIR/cluster.id
 KAFKA_OUT=$KAFKA_LOGS/kafka.out
+
+RELAY=${JOBSTREAM_RELAY:-python}
+CONNECT_PORT=${JOBSTREAM_CONNECT_PORT:-8083}
+CONNECT_GROUP=${JOBSTREAM_CONNECT_GROUP:-jobstream-connect}
+CONNECT_HEAP_OPTS=${JOBSTREAM_CONNECT_HEAP_OPTS:--Xmx768m -Xms256m}
+CONNECT_START_TIMEOUT=${JOBSTREAM_CONNECT_START_TIMEOUT:-120}
+CONNECT_POM=$SCRIPT_DIR/connect-pom.xml
+CONNECT_LIBS=$JOBSTREAM_HOME/connect/libs
+CONNECT_STAMP=$CONNECT_LIBS/.pom.sha256
+CONNECT_DIR=${JOBSTREAM_CONNECT_DIR:-$JOBSTREAM_HOME/connect}
+case $CONNECT_DIR in /*) ;; *) CONNECT_DIR=$PWD/$CONNECT_DIR ;; esac
+CONNECT_CONF=$CONNECT_DIR/config/connect-distributed.properties
+CONNECT_LOG4J=$CONNECT_DIR/config/log4j2.properties
+CONNECT_LOGS=$CONNECT_DIR/logs
+CONNECT_PID=$CONNECT_DIR/connect.pid
+CONNECT_OUT=$CONNECT_LOGS/connect.out
+CONNECT_URL=http://127.0.0.1:$CONNECT_PORT
 
 PG_DIR=$JOBSTREAM_HOME/pg
 PG_DATA=$PG_DIR/data
@@ -536,6 +565,242 @@ down_kafka() {
 }
 
 # ----------------------------------------------------------------------------
+# Kafka Connect (distributed mode) + Debezium: only with JOBSTREAM_RELAY=debezium
+# or an explicit `connect` service argument, so the default path stays as fast.
+# ----------------------------------------------------------------------------
+
+# Does the worker's REST API answer GET /connectors with 200 (the herder has
+# joined its group and read the config topic)?
+connect_answers() {
+  local code
+  code=$(curl -s -o /dev/null -m 5 -w '%{http_code}' "$CONNECT_URL/connectors" 2>/dev/null) || return 1
+  [[ $code == 200 ]]
+}
+
+is_our_connect() { # pid: a live ConnectDistributed JVM using our properties?
+  pid_alive "$1" || return 1
+  tr '\0' ' ' <"/proc/$1/cmdline" 2>/dev/null | grep -qF "ConnectDistributed $CONNECT_CONF"
+}
+
+connect_our_pid() {
+  local pid f
+  if [[ -f $CONNECT_PID ]]; then
+    pid=$(tr -dc '0-9' <"$CONNECT_PID")
+    if [[ -n $pid ]] && is_our_connect "$pid"; then
+      printf '%s\n' "$pid"
+      return 0
+    fi
+  fi
+  for f in /proc/[0-9]*/cmdline; do
+    pid=${f#/proc/}
+    pid=${pid%/cmdline}
+    if is_our_connect "$pid"; then
+      printf '%s\n' "$pid" >"$CONNECT_PID" 2>/dev/null || true
+      printf '%s\n' "$pid"
+      return 0
+    fi
+  done
+  return 1
+}
+
+ensure_connect_libs() {
+  [[ -f $CONNECT_POM ]] || die "missing $CONNECT_POM"
+  local want have=""
+  want=$(sha256sum "$CONNECT_POM" | cut -d' ' -f1)
+  [[ -f $CONNECT_STAMP ]] && have=$(<"$CONNECT_STAMP")
+  if [[ $want == "$have" ]] && compgen -G "$CONNECT_LIBS/debezium-connector-postgres-*.jar" >/dev/null; then
+    return 0
+  fi
+  if ! command -v mvn >/dev/null 2>&1; then
+    log "mvn not found; installing maven"
+    apt_install maven
+  fi
+  local tmp=$CONNECT_LIBS.tmp.$$ mvnlog t0
+  mkdir -p "$(dirname "$CONNECT_LIBS")" "$CONNECT_LOGS"
+  mvnlog=$CONNECT_LOGS/mvn.log
+  rm -rf "$tmp"
+  mkdir -p "$tmp"
+  log "connect: fetching Kafka Connect + Debezium jars from Maven Central ..."
+  t0=$(now)
+  if ! mvn -q -B -Dstyle.color=never -f "$CONNECT_POM" \
+        org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies \
+        -DincludeScope=runtime -DoutputDirectory="$tmp" >"$mvnlog" 2>&1; then
+    show_tail "$mvnlog" 60
+    rm -rf "$tmp"
+    die "connect: maven could not fetch the Connect/Debezium jars (log: $mvnlog)"
+  fi
+  compgen -G "$tmp/debezium-connect-plugins-*.jar" >/dev/null \
+    || die "connect: maven ran but the Outbox Event Router jar (debezium-connect-plugins) is missing"
+  printf '%s\n' "$want" >"$tmp/.pom.sha256"
+  rm -rf "$CONNECT_LIBS"
+  mv "$tmp" "$CONNECT_LIBS"
+  log "connect: $(find "$CONNECT_LIBS" -name '*.jar' | wc -l) jars in $CONNECT_LIBS ($(($(now) - t0))s)"
+}
+
+write_connect_config() {
+  mkdir -p "$(dirname "$CONNECT_CONF")" "$CONNECT_LOGS"
+  cat >"$CONNECT_LOG4J" <<'L4J'
+# log4j2 config of the Kafka Connect worker started by services.sh (rewritten on every start)
+status = warn
+property.logdir = ${sys:connect.logs.dir:-logs}
+appender.file.type = RollingFile
+appender.file.name = FILE
+appender.file.fileName = ${logdir}/connect.log
+appender.file.filePattern = ${logdir}/connect.log.%i
+appender.file.layout.type = PatternLayout
+appender.file.layout.pattern = [%d] %p %m (%c)%n
+appender.file.policies.type = Policies
+appender.file.policies.size.type = SizeBasedTriggeringPolicy
+appender.file.policies.size.size = 20MB
+appender.file.strategy.type = DefaultRolloverStrategy
+appender.file.strategy.max = 3
+rootLogger.level = info
+rootLogger.appenderRef.file.ref = FILE
+logger.kafka.name = org.apache.kafka
+logger.kafka.level = warn
+logger.runtime.name = org.apache.kafka.connect.runtime
+logger.runtime.level = info
+logger.reflections.name = org.reflections
+logger.reflections.level = error
+L4J
+  cat >"$CONNECT_CONF" <<CONF
+# Generated by scripts/services.sh -- rewritten on every start; edit the script instead.
+# Kafka Connect in DISTRIBUTED mode: the connector config, source offsets (the LSN Debezium
+# confirmed) and task status live in three compacted Kafka topics, so a worker that dies
+# (kill -9) resumes from the last committed offset on restart or on another worker.
+bootstrap.servers=$BOOTSTRAP
+group.id=$CONNECT_GROUP
+config.storage.topic=$CONNECT_GROUP-configs
+offset.storage.topic=$CONNECT_GROUP-offsets
+status.storage.topic=$CONNECT_GROUP-status
+# Created by the worker with cleanup.policy=compact; one broker here (RF 1). Production: RF 3.
+config.storage.replication.factor=1
+offset.storage.replication.factor=1
+status.storage.replication.factor=1
+offset.storage.partitions=5
+status.storage.partitions=1
+# How often source offsets are committed; Debezium confirms the LSN to Postgres (so the
+# replication slot releases WAL) after that commit.
+offset.flush.interval.ms=1000
+offset.flush.timeout.ms=10000
+key.converter=org.apache.kafka.connect.storage.StringConverter
+value.converter=org.apache.kafka.connect.converters.ByteArrayConverter
+header.converter=org.apache.kafka.connect.storage.StringConverter
+listeners=http://127.0.0.1:$CONNECT_PORT
+rest.advertised.host.name=127.0.0.1
+rest.advertised.port=$CONNECT_PORT
+# The connector asks for an idempotent producer (acks=all), as the Python relay's.
+connector.client.config.override.policy=All
+# One worker: rebalance at once instead of waiting for a lost member (default 5 min).
+scheduled.rebalance.max.delay.ms=5000
+# Plugins are on the worker's classpath (scripts/connect-pom.xml); no plugin.path scan.
+plugin.discovery=only_scan
+CONF
+}
+
+start_connect_process() {
+  : >"$CONNECT_OUT"
+  rm -f "$CONNECT_PID"
+  # shellcheck disable=SC2086  # CONNECT_HEAP_OPTS is a word list on purpose
+  nohup setsid bash -c 'echo $$ >"$0"; cd "$1" && shift && exec "$@"' \
+    "$CONNECT_PID" "$CONNECT_DIR" \
+    "$JAVA" $CONNECT_HEAP_OPTS -XX:+UseG1GC -XX:+ExitOnOutOfMemoryError \
+    -Djava.awt.headless=true \
+    -Dconnect.logs.dir="$CONNECT_LOGS" -Dlog4j2.configurationFile="$CONNECT_LOG4J" \
+    -cp "$CONNECT_LIBS/*" org.apache.kafka.connect.cli.ConnectDistributed "$CONNECT_CONF" \
+    </dev/null >>"$CONNECT_OUT" 2>&1 9>&- &
+  local i
+  for ((i = 0; i < 50; i++)); do
+    [[ -s $CONNECT_PID ]] && return 0
+    sleep 0.1
+  done
+  die "connect: process did not start (no pid file $CONNECT_PID)"
+}
+
+wait_for_connect() {
+  local pid=$1 t0=$2 deadline
+  deadline=$((t0 + CONNECT_START_TIMEOUT))
+  while ! connect_answers; do
+    if ! pid_alive "$pid"; then
+      show_tail "$CONNECT_LOGS/connect.log" 60
+      show_tail "$CONNECT_OUT" 20
+      die "connect: worker process $pid exited during startup"
+    fi
+    if (($(now) >= deadline)); then
+      show_tail "$CONNECT_LOGS/connect.log" 60
+      die "connect: worker REST API $CONNECT_URL did not answer within ${CONNECT_START_TIMEOUT}s (pid $pid still running)"
+    fi
+    sleep 0.5
+  done
+}
+
+CONNECT_RESULT=
+up_connect() {
+  check_port JOBSTREAM_CONNECT_PORT "$CONNECT_PORT"
+  if connect_answers; then
+    CONNECT_RESULT="$CONNECT_URL (already running)"
+    return 0
+  fi
+  kafka_answers "$BOOTSTRAP" || die "connect: Kafka does not answer at $BOOTSTRAP (start it first)"
+  local pid t0
+  t0=$(now)
+  ensure_java
+  if pid=$(connect_our_pid); then
+    log "connect: worker pid $pid is running but not answering yet; waiting"
+    wait_for_connect "$pid" "$t0"
+    CONNECT_RESULT="$CONNECT_URL (already running)"
+    return 0
+  fi
+  if tcp_open 127.0.0.1 "$CONNECT_PORT"; then
+    die "connect: port 127.0.0.1:$CONNECT_PORT is in use by something that is not a Connect worker this script manages (set JOBSTREAM_CONNECT_PORT)"
+  fi
+  mkdir -p "$CONNECT_DIR" "$CONNECT_LOGS"
+  ensure_connect_libs
+  write_connect_config
+  log "connect: starting worker (group $CONNECT_GROUP, REST $CONNECT_URL, logs $CONNECT_LOGS/connect.log)"
+  start_connect_process
+  pid=$(<"$CONNECT_PID")
+  wait_for_connect "$pid" "$t0"
+  log "connect: ready after $(($(now) - t0))s (pid $pid)"
+  CONNECT_RESULT="$CONNECT_URL (started)"
+}
+
+# down_connect [immediate]: SIGTERM (clean: commits offsets, stops tasks), or SIGKILL (a crash).
+down_connect() {
+  local pid i immediate=${1:-0}
+  if ! pid=$(connect_our_pid); then
+    rm -f "$CONNECT_PID"
+    if connect_answers; then
+      echo "connect: not started by this script; left running at $CONNECT_URL"
+    else
+      echo "connect: not running"
+    fi
+    return 0
+  fi
+  if ((immediate)); then
+    log "connect: killing worker pid $pid (SIGKILL, --immediate)"
+    kill -KILL "$pid" 2>/dev/null || true
+  else
+    log "connect: stopping worker pid $pid (SIGTERM)"
+    kill -TERM "$pid" 2>/dev/null || true
+  fi
+  for ((i = 0; i < 300; i++)); do
+    pid_alive "$pid" || break
+    sleep 0.1
+  done
+  if pid_alive "$pid"; then
+    warn "connect: worker pid $pid still alive after 30s; sending SIGKILL"
+    kill -KILL "$pid" 2>/dev/null || true
+    for ((i = 0; i < 50; i++)); do
+      pid_alive "$pid" || break
+      sleep 0.1
+    done
+  fi
+  rm -f "$CONNECT_PID"
+  echo "connect: stopped (pid $pid)"
+}
+
+# ----------------------------------------------------------------------------
 # PostgreSQL
 # ----------------------------------------------------------------------------
 PG_BIN=
@@ -758,20 +1023,36 @@ take_lock() {
 }
 
 # Commands take an optional service (SERVICE: kafka or postgres; empty = both).
+# The Connect worker is part of "all services" only with JOBSTREAM_RELAY=debezium.
+with_connect() { [[ $RELAY == debezium ]]; }
+
 cmd_up() {
   local svc=${1:-} t0
   take_lock
   t0=$(now)
+  if [[ $svc == connect ]]; then
+    up_connect
+    log "done in $(($(now) - t0))s"
+    echo "connect: $CONNECT_RESULT"
+    return 0
+  fi
   [[ $svc == kafka ]] || up_pg
   [[ $svc == postgres ]] || up_kafka
+  if [[ -z $svc ]] && with_connect; then up_connect; fi
   log "done in $(($(now) - t0))s"
   [[ $svc == postgres ]] || echo "kafka: $KAFKA_RESULT"
   [[ $svc == kafka ]] || echo "postgres: $PG_RESULT"
+  if [[ -z $svc ]] && with_connect; then echo "connect: $CONNECT_RESULT"; fi
+  return 0
 }
 
 cmd_down() {
   local svc=${1:-} immediate=${2:-0}
   take_lock
+  if [[ $svc == connect ]] || { [[ -z $svc ]] && with_connect; }; then
+    down_connect "$immediate"
+  fi
+  [[ $svc == connect ]] && return 0
   [[ $svc == postgres ]] || down_kafka "$immediate"
   [[ $svc == kafka ]] || down_pg "$immediate"
 }
@@ -780,7 +1061,11 @@ cmd_restart() {
   local svc=$1 immediate=${2:-0} t0
   take_lock
   t0=$(now)
-  if [[ $svc == kafka ]]; then
+  if [[ $svc == connect ]]; then
+    down_connect "$immediate"
+    up_connect
+    echo "connect: $CONNECT_RESULT"
+  elif [[ $svc == kafka ]]; then
     down_kafka "$immediate"
     up_kafka
     echo "kafka: $KAFKA_RESULT"
@@ -794,6 +1079,15 @@ cmd_restart() {
 
 cmd_status() {
   local svc=${1:-} rc=0
+  if [[ $svc == connect ]] || { [[ -z $svc ]] && with_connect; }; then
+    if connect_answers; then
+      echo "connect: up ($CONNECT_URL)"
+    else
+      echo "connect: down ($CONNECT_URL)"
+      rc=3
+    fi
+    [[ $svc == connect ]] && return "$rc"
+  fi
   if [[ $svc != postgres ]]; then
     if kafka_answers "$BOOTSTRAP"; then
       echo "kafka: up ($BOOTSTRAP)"
@@ -816,6 +1110,7 @@ cmd_status() {
 cmd_env() {
   printf 'export JOBSTREAM_KAFKA_BOOTSTRAP_SERVERS=%q\n' "$BOOTSTRAP"
   printf 'export JOBSTREAM_DATABASE_URL=%q\n' "$DB_URL"
+  printf 'export JOBSTREAM_CONNECT_URL=%q\n' "$CONNECT_URL"
 }
 
 usage_error() {
@@ -838,7 +1133,7 @@ main() {
   for arg in "$@"; do
     case $arg in
       -h | --help) usage; return 0 ;;
-      kafka | postgres)
+      kafka | postgres | connect)
         [[ -z $svc ]] || usage_error "one service at a time (got $svc and $arg)"
         svc=$arg ;;
       --immediate) immediate=1 ;;
@@ -853,7 +1148,7 @@ main() {
     up | start) cmd_up "$svc" ;;
     down | stop) cmd_down "$svc" "$immediate" ;;
     restart)
-      [[ -n $svc ]] || usage_error "restart needs a service: kafka or postgres"
+      [[ -n $svc ]] || usage_error "restart needs a service: kafka, postgres or connect"
       cmd_restart "$svc" "$immediate" ;;
     status) cmd_status "$svc" ;;
     *) usage_error "unknown command $(printf '%q' "$cmd")" ;;

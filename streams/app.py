@@ -16,7 +16,7 @@ import faust
 from jobstream.settings import Settings
 from jobstream.stages import StageContext
 from jobstream.store import Store
-from streams import chunk, extract, intake, llm, offsets, publish, validate
+from streams import chunk, extract, intake, llm, offsets, publish, records, validate
 
 AGENTS = {"intake": intake.register, "extract": extract.register, "chunk": chunk.register,
           "llm": llm.register, "llm_batch": llm.register_batch, "validate": validate.register,
@@ -46,6 +46,7 @@ def create_app(settings: Settings, stages: Iterable[str] | None = None,
     # faust keeps its table/leader state in ``datadir`` (default: ./<app id>-data in the working
     # directory); with memory:// stores nothing there outlives the process. faust does not create
     # the parent folder.
+    records.install()  # a header name that is not UTF-8 must not crash the fetcher
     datadir = os.path.join(tempfile.gettempdir(), "jobstream-faust")
     os.makedirs(datadir, exist_ok=True)
     datadir = os.path.join(datadir, group)

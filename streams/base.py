@@ -52,16 +52,17 @@ IN_PLACE_BASE_S = 0.5
 IN_PLACE_CAP_S = 5.0
 
 
-def _items(headers: Any) -> list[tuple[str, bytes]]:
-    """faust message headers (a dict or a list of pairs) as ``(name, bytes)`` pairs."""
+def _items(headers: Any) -> list[tuple[str, bytes | None]]:
+    """faust message headers (a dict or a list of pairs) as ``(name, bytes)`` pairs; a null
+    value stays ``None`` (a dead letter or retry copy keeps it null, not ``b"None"``)."""
     items = (headers or {}).items() if isinstance(headers, dict | None) else headers
-    return [(k, v if isinstance(v, bytes) else str(v).encode()) for k, v in items]
+    return [(k, v if v is None or isinstance(v, bytes) else str(v).encode()) for k, v in items]
 
 
 def _header(event: faust.EventT, name: str) -> str | None:
     for k, v in _items(event.message.headers):
         if k == name:
-            return v.decode() if isinstance(v, bytes) else str(v)
+            return None if v is None else v.decode("utf-8", "replace")
     return None
 
 
@@ -261,7 +262,7 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
                 try:
                     not_before = int(_header(event, "retry_not_before_ms") or 0) / 1000
                     round_no = max(1, int(_header(event, "retry_count") or 1))
-                except ValueError:  # a forged retry header: the first round, now
+                except (ValueError, OverflowError):  # forged (e.g. 400 digits): round 1, now
                     not_before, round_no = 0.0, 1
                 wait = min(not_before - time.time(), s.retry_cap_s)
                 if wait > 0:

@@ -16,7 +16,8 @@ Script (JSON; ``PUT /_control/script`` or the constructor):
 - ``max_concurrency``: answer 429 (Retry-After 1) while more requests than this are in flight.
 
 Control endpoints: ``GET /_control/calls`` -> ``{"total": n, "by_key": {key: n}, "statuses":
-{code: n}, "max_in_flight": n}``; ``POST /_control/reset``.
+{code: n}, "max_in_flight": n}``; ``PUT /_control/script`` replaces the script and keeps the
+counters; ``POST /_control/reset`` zeroes them and restarts the script.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class FakeProvider:
                  model: str = "fake-model") -> None:
         self.model = model
         self._lock = threading.Lock()
-        self.set_script(script or {})
+        self.reset(script or {})
         self._server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
@@ -51,11 +52,18 @@ class FakeProvider:
         return f"http://{host}:{port}/v1"
 
     def set_script(self, script: dict[str, Any]) -> None:
-        """Replace the script and zero the counters."""
+        """Replace the script; the call counters go on counting (``PUT /_control/script``: a
+        drill changes behaviour mid-run and still compares every call with the call log)."""
         with self._lock:
             self.script = script
             self._seq = list(script.get("sequence", []))
             self._per_key = {k: list(v) for k, v in script.get("per_key", {}).items()}
+
+    def reset(self, script: dict[str, Any] | None = None) -> None:
+        """Zero the counters and start the script (``script``, else the current one) from its
+        beginning (``POST /_control/reset``)."""
+        self.set_script(self.script if script is None else script)
+        with self._lock:
             self.calls: Counter[str] = Counter()
             self.statuses: Counter[int] = Counter()
             self.total = 0
@@ -126,7 +134,7 @@ class FakeProvider:
             def do_POST(self) -> None:  # noqa: N802
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 if self.path == "/_control/reset":
-                    fake.set_script(fake.script)
+                    fake.reset()
                     self._send(200, b"{}")
                     return
                 if not self.path.endswith("/chat/completions"):

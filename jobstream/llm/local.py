@@ -3,8 +3,10 @@
 It is served as an httpx transport, so the provider client runs exactly the same request and
 response code path (``POST /v1/chat/completions``) as with OpenAI, vLLM or Ollama. The summary is
 extractive, after H. P. Luhn, "The Automatic Creation of Literature Abstracts" (IBM J. Res. Dev.,
-1958): sentences are scored by the frequency of their significant words. Tokens are counted as
-whitespace-separated words (the local model has no tokenizer; it costs nothing).
+1958): sentences are scored by the frequency of their significant words. Words are found
+in any script (Unicode letters; Han and Kana, written without spaces, as character bigrams).
+Tokens are counted as whitespace-separated words (the local model has no tokenizer; it costs
+nothing).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import unicodedata
 from collections import Counter
 from typing import Any
 
@@ -31,27 +34,82 @@ works terms
     .split()
 )
 
-_WORD = re.compile(r"[A-Za-z][A-Za-z'-]{2,}")
-_SENT = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"(])")
+#: A few common words of other languages the demo and tests meet (3 letters or more: shorter
+#: words never count).
+STOPWORDS_OTHER = frozenset(
+    """
+les des une est pour dans par sur avec que qui pas plus son ses aux cette
+der die das und den dem des ein eine ist mit von auf für nicht sich auch
+los las del una por con para que como más pero sus
+الذي التي هذا هذه ذلك على إلى عن من في مع كان كانت كل بين بعد قبل حتى أو ثم لا ما
+"""  # noqa: SIM905
+    .split()
+)
+
+#: A word: letters, with digits, apostrophes and hyphens inside (any script; NFC text).
+_TOKEN = re.compile(r"[^\W\d_](?:[^\W_]|['’-](?=[^\W\d_]))*")
+#: Scripts written without spaces between words: Han, Hiragana, Katakana (and their marks).
+_CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\u31f0-\u31ff]+")
+#: A sentence end: terminal punctuation (Latin, Arabic, CJK), closing quotes, then space (or,
+#: after a CJK full stop, nothing).
+_END = re.compile(r"[.!?؟。！？]+[\"')\]»”’]*(?:\s+|(?<=[。！？])(?=\S))")
+
+
+def words(text: str) -> list[str]:
+    """The words of ``text`` in any script, lower-cased, in order: letters (and inner digits,
+    apostrophes, hyphens) of at least 3 characters; runs of Han/Kana characters, which have no
+    spaces between words, become overlapping character bigrams (a lone character stays)."""
+    out: list[str] = []
+    for tok in _TOKEN.findall(unicodedata.normalize("NFC", text)):
+        pos = 0
+        for m in _CJK.finditer(tok):
+            rest = tok[pos:m.start()]
+            if len(rest) >= 3:
+                out.append(rest.lower())
+            run = m.group(0)
+            out += [run] if len(run) == 1 else [run[i:i + 2] for i in range(len(run) - 1)]
+            pos = m.end()
+        if len(tok) - pos >= 3:
+            out.append(tok[pos:].lower())
+    return out
+
+
+def sentences(flat: str) -> list[str]:
+    """Split whitespace-normalised text into sentences: after terminal punctuation (``.!?``,
+    Arabic ``؟``, CJK ``。！？``) unless a lower-case letter follows (``e.g. this``)."""
+    out, start = [], 0
+    for m in _END.finditer(flat):
+        nxt = flat[m.end():m.end() + 1]
+        if nxt and not nxt.islower():
+            out.append(flat[start:m.end()].strip())
+            start = m.end()
+    out.append(flat[start:].strip())
+    return [s for s in out if s]
+
+
+def _significant(w: str) -> bool:
+    return w not in STOPWORDS and w not in STOPWORDS_OTHER
 
 
 def analyse(text: str, max_keywords: int = 8, max_sentences: int = 2) -> dict[str, Any]:
-    """Extractive analysis of ``text``: title candidate, summary, keywords, counts, fields."""
-    words = [w.lower() for w in _WORD.findall(text)]
-    freq = Counter(w for w in words if w not in STOPWORDS)
+    """Extractive analysis of ``text`` (any script): title candidate, summary, keywords,
+    counts, fields."""
+    text = unicodedata.normalize("NFC", text)
+    freq = Counter(w for w in words(text) if _significant(w))
     keywords = [w for w, _ in sorted(freq.items(), key=lambda kv: (-kv[1], kv[0]))[:max_keywords]]
     flat = " ".join(text.split())
-    sentences = [s.strip() for s in _SENT.split(flat) if len(s.split()) >= 4]
+    candidates = [s for s in sentences(flat) if len(words(s)) >= 4]
+
     def score(s: str) -> float:
-        sig = [w.lower() for w in _WORD.findall(s) if w.lower() in freq]
-        return sum(freq[w] for w in sig) / (len(s.split()) + 5)
-    top = sorted(range(len(sentences)), key=lambda i: (-score(sentences[i]), i))[:max_sentences]
-    summary = " ".join(sentences[i][:400] for i in sorted(top)) or flat[:400]
+        ws = words(s)
+        return sum(freq[w] for w in ws if w in freq) / (len(ws) + 5)
+    top = sorted(range(len(candidates)), key=lambda i: (-score(candidates[i]), i))[:max_sentences]
+    summary = " ".join(candidates[i][:400] for i in sorted(top)) or flat[:400]
     first_line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
     fields: dict[str, Any] = {}
     if m := re.search(r"\bVersion\s+(\d+(?:\.\d+)*)", text, flags=re.I):
         fields["version"] = m.group(1)
-    if years := sorted(set(re.findall(r"\b(?:19|20)\d\d\b", text))):
+    if years := sorted(set(re.findall(r"\b(?:19|20)\d\d\b", text, flags=re.ASCII))):
         fields["years"] = years[:10]
     if urls := sorted(set(u.rstrip(".,;)>") for u in re.findall(r"https?://[^\s<>\"]+", text))):
         fields["urls"] = urls[:10]

@@ -201,11 +201,20 @@ UPDATE job_stage SET status = 'failed', error_code = 'cancelled_by_user',
    AND EXISTS (SELECT 1 FROM job j WHERE j.job_id = job_stage.job_id AND j.generation = %s);
 
 -- name: request_cancel
--- "Cancelled by user": the flag workers check between and during stages.
+-- "Cancelled by user": the flag workers check between and during stages. A finished job is
+-- left as it is (no row: see api_job_status).
 UPDATE job SET cancel_requested = true, cancel_requested_at = coalesce(cancel_requested_at, now()),
                updated_at = now()
- WHERE job_id = %s AND tenant_id = %s
+ WHERE job_id = %s AND tenant_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled')
 RETURNING status;
+
+-- name: api_job_status
+SELECT status, cancel_requested FROM job WHERE job_id = %s AND tenant_id = %s;
+
+-- name: clear_cancel
+-- A new run of a cancelled job (a new intent for the same computation) is not cancelled.
+UPDATE job SET cancel_requested = false, cancel_requested_at = NULL, updated_at = now()
+ WHERE job_id = %s;
 
 -- name: request_cancel_batch
 UPDATE job SET cancel_requested = true, cancel_requested_at = coalesce(cancel_requested_at, now()),
@@ -235,7 +244,12 @@ UPDATE job_stage
    AND status = 'running';
 
 -- name: park_job
-UPDATE job SET status = 'needs_reconciliation', error_code = %s, error = %s, updated_at = now()
+-- current_stage becomes the parked stage (parked in the same transaction, before this).
+UPDATE job SET status = 'needs_reconciliation', error_code = %s, error = %s, updated_at = now(),
+               current_stage = coalesce((SELECT s.stage FROM job_stage s
+                                          WHERE s.job_id = job.job_id
+                                            AND s.status = 'needs_reconciliation'
+                                          ORDER BY s.updated_at DESC LIMIT 1), current_stage)
  WHERE job_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled');
 
 -- name: jobs_needing_reconciliation
@@ -291,8 +305,13 @@ UPDATE job SET status = 'succeeded', current_stage = 'published', charge_usd = %
  WHERE job_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled');
 
 -- name: fail_job
+-- current_stage becomes the stage that failed (its checkpoint is failed in the same
+-- transaction, before this), not the last one that succeeded.
 UPDATE job SET status = 'failed', error_code = %s, error = %s, finished_at = now(),
-               updated_at = now()
+               updated_at = now(),
+               current_stage = coalesce((SELECT s.stage FROM job_stage s
+                                          WHERE s.job_id = job.job_id AND s.status = 'failed'
+                                          ORDER BY s.updated_at DESC LIMIT 1), current_stage)
  WHERE job_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled');
 
 -- name: cancel_job
@@ -629,8 +648,10 @@ SELECT stage, coalesce(sum(attempt), 0)::bigint AS runs,
   FROM job_stage WHERE stage <> 'uploaded' GROUP BY stage;
 
 -- name: metrics_provider_attempts
--- Provider attempts per outcome and model profile, with their cost (USD).
-SELECT outcome, model_profile, count(*) AS n, coalesce(sum(cost_usd), 0)::float8 AS cost_usd
+-- Provider attempts per outcome and model profile, with their cost (USD) and how many the
+-- provider answered 429.
+SELECT outcome, model_profile, count(*) AS n, coalesce(sum(cost_usd), 0)::float8 AS cost_usd,
+       count(*) FILTER (WHERE status_code = 429) AS rate_limited
   FROM provider_attempt GROUP BY outcome, model_profile;
 
 -- name: metrics_stage_durations
@@ -647,6 +668,19 @@ SELECT stage, lane,
        (SELECT count(*) FROM unnest(%(bounds)s::float8[]) AS b(le) WHERE b.le < d.v) AS idx,
        count(*) AS n, sum(v)::float8 AS sum_s
   FROM d GROUP BY stage, lane, idx;
+
+-- name: metrics_provider_latency
+-- Latency (seconds) of provider attempts that finished in the last %(window_s)s seconds, per
+-- model profile and lane; buckets as in metrics_stage_durations.
+WITH d AS (
+    SELECT a.model_profile, j.lane, greatest(a.latency_ms / 1000.0, 0)::float8 AS v
+      FROM provider_attempt a JOIN job j USING (job_id)
+     WHERE a.finished_at >= now() - make_interval(secs => %(window_s)s)
+       AND a.latency_ms IS NOT NULL)
+SELECT model_profile, lane,
+       (SELECT count(*) FROM unnest(%(bounds)s::float8[]) AS b(le) WHERE b.le < d.v) AS idx,
+       count(*) AS n, sum(v)::float8 AS sum_s
+  FROM d GROUP BY model_profile, lane, idx;
 
 -- name: metrics_queue_waits
 -- Queue wait (seconds) of stages that succeeded in the last %(window_s)s seconds: from the
@@ -839,6 +873,63 @@ SELECT a.job_id, a.chunk_idx, count(*) AS n, sum(a.cost_usd) AS cost_usd,
 -- name: health_probe
 -- Readiness: can this process get a connection and run a statement?
 SELECT 1 AS ok;
+
+-- ---------------------------------------------------------------- debezium relay (0013)
+
+-- name: debezium_triggers
+-- Which of the outbox's Debezium triggers are enabled (tgenabled 'D' = disabled).
+SELECT tgname AS name, tgenabled <> 'D' AS enabled FROM pg_trigger
+ WHERE tgrelid = 'outbox'::regclass AND tgname IN ('outbox_headers_v1', 'outbox_forget_v1');
+
+-- name: debezium_enable_headers
+ALTER TABLE outbox ENABLE TRIGGER outbox_headers_v1;
+
+-- name: debezium_enable_forget
+ALTER TABLE outbox ENABLE TRIGGER outbox_forget_v1;
+
+-- name: debezium_disable_triggers
+ALTER TABLE outbox DISABLE TRIGGER outbox_forget_v1, DISABLE TRIGGER outbox_headers_v1;
+
+-- name: debezium_publication_exists
+SELECT 1 FROM pg_publication WHERE pubname = %s;
+
+-- name: debezium_publication_tables
+-- The tables a publication carries (must be exactly the outbox).
+SELECT schemaname || '.' || tablename AS t FROM pg_publication_tables WHERE pubname = %s;
+
+-- name: debezium_handover
+-- Rows the Python relay left unpublished are re-inserted (same id order, same bytes), so the
+-- connector streams them: logical decoding only sees rows inserted after the slot existed.
+-- The triggers fill their header columns and delete them again in this transaction.
+WITH moved AS (
+    DELETE FROM outbox WHERE published_at IS NULL
+    RETURNING id, topic, kafka_key, payload, headers, event_id, event_type, created_at)
+INSERT INTO outbox (topic, kafka_key, payload, headers, event_id, event_type, created_at)
+SELECT topic, kafka_key, payload, headers, event_id, event_type, created_at
+  FROM moved ORDER BY id;
+
+-- name: replication_slots
+-- Logical replication slots of this database: whether a walsender uses them, and the WAL
+-- they hold back (bytes between the server's current LSN and what the consumer confirmed).
+SELECT slot_name AS slot, active, wal_status,
+       coalesce(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn), 0)::bigint
+           AS retained_bytes,
+       coalesce(pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn), 0)::bigint
+           AS unconfirmed_bytes
+  FROM pg_replication_slots
+ WHERE database = current_database() AND slot_type = 'logical'
+ ORDER BY slot_name;
+
+-- name: replication_slot_drop
+SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots
+ WHERE slot_name = %s AND NOT active;
+
+-- name: relay_lock_holders
+-- Sessions holding the active-relay advisory lock (a running Python relay).
+SELECT count(*) AS n FROM pg_locks
+ WHERE locktype = 'advisory' AND granted AND database = (
+     SELECT oid FROM pg_database WHERE datname = current_database())
+   AND objsubid = 1 AND ((classid::bigint << 32) | objid::bigint) = %s;
 
 -- ---------------------------------------------------------------- dead-letter store (0008)
 

@@ -20,6 +20,10 @@ def test_demo_processes_every_licence_and_pdf_and_checks_exactly_once(
                        env=procs.env(COLUMNS="160"), capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "CHECK PASSED" in r.stdout
+    # No raw librdkafka log lines (%<level>|<time>|<FACILITY>|...) between the progress bars.
+    import re
+    raw = re.compile(r"^%\d\|\d+\.\d+\|[A-Z]+\|", re.M)
+    assert not raw.search(r.stdout) and not raw.search(r.stderr), r.stderr[-2000:]
     jobs = query(settings.database_url,
                  "SELECT status, content_type FROM job WHERE tenant_id = 'demo-e2e'")
     requests = query(settings.database_url,

@@ -52,3 +52,34 @@ def test_an_unknown_content_type_is_its_own_code() -> None:
     with pytest.raises(PermanentError) as err:
         extract_text(b"<html>", "text/html")
     assert err.value.code == "unsupported_content_type"
+
+
+def _pdf(objs: list[bytes]) -> bytes:
+    out, offs = b"%PDF-1.4\n", []
+    for i, o in enumerate(objs, 1):
+        offs.append(len(out))
+        out += b"%d 0 obj\n" % i + o + b"\nendobj\n"
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objs) + 1)
+    out += b"".join(b"%010d 00000 n \n" % o for o in offs)
+    return out + b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (
+        len(objs) + 1, xref)
+
+
+def test_a_tounicode_map_to_a_lone_surrogate_does_not_fail_the_document() -> None:
+    # Found by the adversarial pass: a font whose ToUnicode CMap maps a glyph to <D800> (broken
+    # CMaps are common) made pypdf return a lone surrogate; the extract stage's sha256 / the
+    # database could not encode it and the whole job failed as invalid_data.
+    cmap = (b"/CIDInit /ProcSet findresource begin 1 begincodespacerange <0000> <FFFF> "
+            b"endcodespacerange 2 beginbfchar <0001> <D800> <0002> <0041> endbfchar endcmap")
+    content = b"BT /F1 12 Tf 72 712 Td <00010002> Tj ET"
+    data = _pdf([
+        b"<< /Type /Catalog /Pages 2 0 R >>", b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R "
+        b"/Resources << /Font << /F1 5 0 R >> >> >>",
+        b"<< /Length %d >>\nstream\n%s\nendstream" % (len(content), content),
+        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica /ToUnicode 6 0 R >>",
+        b"<< /Length %d >>\nstream\n%s\nendstream" % (len(cmap), cmap)])
+    text = extract_text(data, "application/pdf").text
+    text.encode("utf-8")  # what the stage hashes and stores
+    assert "\ufffd" in text and "A" in text, repr(text)

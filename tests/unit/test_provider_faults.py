@@ -74,3 +74,19 @@ def test_control_endpoints_over_http(fake: FakeProvider) -> None:
     r = httpx.post(f"{fake.base_url}/chat/completions", json={"messages": []})
     assert r.status_code == 503
     assert httpx.get(f"{root}/_control/calls").json()["statuses"] == {"503": 1}
+
+
+def test_put_script_keeps_the_call_counters_and_reset_zeroes_them(fake: FakeProvider) -> None:
+    root = fake.base_url.removesuffix("/v1")
+    for _ in range(2):
+        httpx.post(f"{fake.base_url}/chat/completions", json={"messages": []},
+                   headers={"Idempotency-Key": "k"})
+    r = httpx.put(f"{root}/_control/script", json={"default": {"status": 503}})
+    assert r.status_code == 200
+    httpx.post(f"{fake.base_url}/chat/completions", json={"messages": []},
+               headers={"Idempotency-Key": "k"})
+    calls = httpx.get(f"{root}/_control/calls").json()
+    assert calls["total"] == 3 and calls["by_key"] == {"k": 3}
+    assert calls["statuses"] == {"200": 2, "503": 1}
+    httpx.post(f"{root}/_control/reset")
+    assert httpx.get(f"{root}/_control/calls").json()["total"] == 0

@@ -118,3 +118,30 @@ def test_get_prompt_raises_the_code_its_docstring_names() -> None:
         get_prompt("no-such-prompt")
     assert info.value.code == "unknown_prompt_version"
     assert info.value.code in (get_prompt.__doc__ or "")
+
+
+def test_local_model_keeps_words_of_every_script() -> None:
+    """Arabic words count, accented Latin words keep their accents, CJK text (no spaces between
+    words) gives character-bigram keywords; sentences split after Arabic and CJK punctuation."""
+    from jobstream.llm.local import sentences, words
+    arabic = ("يعتبر الذكاء الاصطناعي مجالا مهما. الذكاء الاصطناعي يغير العالم اليوم. "
+              "يدرس الطلاب الذكاء الاصطناعي في الجامعات؟ نعم يدرسونه كثيرا هناك.")
+    a = analyse(arabic)
+    assert {"الذكاء", "الاصطناعي"} <= set(a["keywords"][:2])
+    assert "في" not in a["keywords"]
+    latin = ("Le café de Paris est célèbre. Un café crème coûte cher à Zürich. "
+             "Die Straße zum Café ist schön und naïve Touristen mögen das Café.")
+    la = analyse(latin)
+    assert la["keywords"][0] == "café" and "caf" not in la["keywords"]
+    assert {"célèbre", "straße", "naïve", "zürich"} <= set(words(latin))
+    # NFD input (e + combining accent) is the same word as NFC
+    assert words("cafe\u0301 cafe\u0301") == ["café", "café"]
+    cjk = ("機械学習は人工知能の一分野です。機械学習はデータから学習します。"
+           "多くの企業が機械学習を使っています。")
+    c = analyse(cjk)
+    assert {"機械", "学習"} <= set(c["keywords"][:3])
+    assert len(sentences(cjk)) == 3
+    assert c["summary"].startswith("機械学習は")
+    assert sentences("Le chat dort. e.g. this stays. Fin.") == ["Le chat dort. e.g. this stays.",
+                                                               "Fin."]
+    assert len(sentences(arabic)) == 4

@@ -371,6 +371,8 @@ def test_connect_killed_mid_stream_and_down_30s_loses_nothing_and_the_slot_is_fl
     findings = dbz.check_replication_slot(s)
     assert [f.severity for f in findings] == ["critical"], findings
     assert "inactive" in findings[0].message
+    v = procs.run("verify", "--check", "replication_slot", timeout_s=120, **env)
+    assert v.returncode == 1 and "inactive" in v.stdout + v.stderr, v.stdout + v.stderr
     audit = verify.run(s, checks=["replication_slot"])  # what `jobstream verify` reports
     assert audit.exit_code == 1 and "inactive" in str(audit.broken[0]), audit.text()
     # Intake goes on meanwhile: 5 documents become jobs whose events wait in the WAL.
@@ -428,4 +430,6 @@ def test_connect_killed_mid_stream_and_down_30s_loses_nothing_and_the_slot_is_fl
     # Drained: the slot is streamed again and the check is clean.
     wait_for(lambda: _scrape(port).get(active) == 1.0, 60, "the slot active again")
     assert all(f.ok for f in dbz.check_replication_slot(s))
+    v = procs.run("verify", "--check", "replication_slot", timeout_s=120, **env)
+    assert v.returncode == 0, v.stdout + v.stderr
     assert query(s.database_url, "SELECT count(*) AS n FROM outbox")[0]["n"] == 0

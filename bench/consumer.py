@@ -8,7 +8,7 @@ group, one after another:
 
 * ``raw``: poll + ``store_offsets`` (offsets auto-committed): what Kafka and the client cost;
 * ``decode``: the same plus ``schemas.events.decode_event`` (pydantic validation);
-* ``idempotent``: ``consumers.ready_applier`` (``IdempotentConsumer`` + ``apply_ready``):
+* ``idempotent``: ``jobstream.ready_applier`` (``IdempotentConsumer`` + ``apply_ready``):
   the ``processed_event`` insert and the two effect rows in one Postgres transaction, the
   offset stored after the commit.
 
@@ -35,9 +35,9 @@ from bench.common import (
     machine,
     pyplot,
 )
-from consumers.ready_applier import build
 from jobstream.db import connect
 from jobstream.kafka import consumer_config, producer_config
+from jobstream.ready_applier import build
 from jobstream.settings import Settings
 from jobstream.store import outbox_message
 from schemas.events import DocumentAnalysis, JobReady, JobReadyPayload, decode_event

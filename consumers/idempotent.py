@@ -1,55 +1,71 @@
-"""A small, reusable idempotent consumer on confluent-kafka and psycopg.
+"""An idempotent consumer on confluent-kafka and psycopg: apply each event exactly once.
 
 For every message: decode, bounded (poison -> dead-lettered with the reason, then move on);
 open ONE Postgres transaction; insert ``(consumer_group, dedup_key, event_type)`` into
 ``processed_event``; if the row already existed the event is a duplicate (redelivery or
-re-publication) and the handler is not called; else run ``handler(conn, event)`` in that same
-transaction; commit; only then store the Kafka offset (``enable.auto.offset.store=false``; the
-stored offsets are auto-committed). A crash anywhere before the commit redoes everything; a
-crash after it finds the row. That is "delivered at-least-once, applied exactly once".
+re-publication) and the handler is not called; else run the handler registered for the event's
+class in that same transaction; commit; only then store the Kafka offset
+(``enable.auto.offset.store=false``; the stored offsets are auto-committed). A crash anywhere
+before the commit redoes everything; a crash after it finds the row. That is "delivered
+at-least-once, applied exactly once".
 
-Failures (one route for every consumer, ``jobstream.deadletter``): a message without key,
-over ``kafka_message_max_bytes``, nested deeper than ``max_json_depth``, undecodable,
-schema-violating, refused by the handler (:class:`PoisonMessage`), holding data Postgres cannot
-store (``invalid_data``) or reusing an event id with other content (``event_id_conflict``) is
-poison: dead-lettered (``<topic>.dlq``, else the ``dead_letter`` table) and its offset stored
-once that is durable. Postgres or Kafka unavailable is transient: retried with backoff, nothing
-skipped. Any other handler error is retried until the same error failed the same message
-``consumer_poison_after`` times, then dead-lettered as ``handler_error``. Poison never blocks a
+Failures (one route for every consumer, :mod:`consumers.routing`, shared with jobstream's stage
+agents): a message without key, over ``max_message_bytes``, nested deeper than
+``max_json_depth``, undecodable, schema-violating, refused by the handler
+(:class:`~schemas.errors.PoisonMessage`), holding data Postgres cannot store
+(``invalid_data``) or reusing an event id with other content (``event_id_conflict``) is poison:
+dead-lettered (``<topic>.dlq``, else the ``dead_letter`` table) and its offset stored once that
+is durable. Postgres or Kafka unavailable is transient: retried with backoff, nothing skipped.
+Any other handler error is retried until the same error failed the same message
+``poison_after`` times, then dead-lettered as ``handler_error``. Poison never blocks a
 partition.
 
-Batches: the messages already fetched when one arrives (up to ``max_batch``) are applied in
+Batches: the messages already fetched when one arrives (up to ``batch_size``) are applied in
 ONE transaction: one multi-row ``processed_event`` insert tells which keys are new, the handler
 runs for the first copy of each new key (its statements pipelined), one commit, then the
-poison ones of the batch are dead-lettered and the offsets stored. Same guarantee, one commit
-per batch instead of per message. If the handler raises, the batch is rolled back and its
-messages are processed one by one as above, so a bad message costs only itself.
+poison ones of the batch are dead-lettered and the offsets stored. If the handler raises, the
+batch is rolled back and its messages are processed one by one, so a bad message costs only
+itself.
+
+Examples
+--------
+>>> from consumers import ConsumerSettings, IdempotentConsumer
+>>> from schemas.events import JobReady
+>>> consumer = IdempotentConsumer(ConsumerSettings(group="billing", db_schema="billing"))
+>>> @consumer.on(JobReady)
+... def charge(tx, event: JobReady) -> None:
+...     tx.execute("INSERT INTO billing.ledger (dedup_key, amount_usd) VALUES (%s, %s)",
+...                (event.dedup_key, event.payload.charge_usd))
+>>> consumer.create_tables()        # doctest: +SKIP
+>>> consumer.run_forever()          # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message
+from psycopg import sql
+from psycopg.rows import dict_row
 
-from jobstream import faults, health, logs
-from jobstream.db import QUERIES as Q
-from jobstream.db import connect
-from jobstream.deadletter import HANDLER_ERROR, DeadLetterSink, FailureCounter, classify, describe
-from jobstream.errors import PoisonMessage, RetryableError
-from jobstream.kafka import HEADERS_UNREADABLE, consumer_config, read_headers
-from jobstream.settings import Settings
+from consumers.ddl import create_tables
+from consumers.headers import HEADERS_UNREADABLE, read_headers
+from consumers.routing import HANDLER_ERROR, DeadLetterSink, FailureCounter, classify, describe
+from consumers.settings import ConsumerSettings
+from schemas.errors import PoisonMessage, RetryableError
 from schemas.events import decode_event
 
-log = logging.getLogger("jobstream.consumer")
+log = logging.getLogger("consumers.idempotent")
 
+E = TypeVar("E")
 Handler = Callable[[psycopg.Connection, Any], None]
 BatchHandler = Callable[[psycopg.Connection, list[Any]], None]
 
@@ -64,46 +80,230 @@ class ConsumerStats:
     started_at: float = field(default_factory=time.monotonic)
 
 
-class IdempotentConsumer:
-    """Consume ``topics`` in consumer group ``group`` and apply ``handler`` exactly once per
-    ``(group, dedup_key, event_type)``.
+@dataclass
+class Hooks:
+    """Callbacks of an :class:`IdempotentConsumer` (each optional; exceptions they raise are
+    logged and ignored, never allowed to change what happens to a message).
 
-    ``event_types``: the types accepted (others are dead-lettered). The handler gets the open
-    connection (inside the transaction) and the decoded event; it must not commit. If it raises
-    :class:`PoisonMessage` the message is dead-lettered; any other exception rolls back and the
-    message is retried after a backoff (nothing is lost, the partition waits). ``max_batch``:
-    most messages applied in one transaction (1 = a transaction per message).
-    ``batch_handler(conn, events)``, if given, must have the effect of calling ``handler`` for
-    each event in order (e.g. multi-row statements); batches use it instead of the loop.
+    Metrics: ``on_applied(event)``, ``on_duplicate(event)`` (after the commit),
+    ``on_dead_lettered(code, reason)`` (once the dead letter is durable). Runtime:
+    ``db_ok()`` / ``db_failed(exc)`` (readiness), ``message_scope(headers, group)`` (a context
+    manager around one message: log context, tracing), ``bind(**fields)`` (facts learnt once
+    decoded), ``after_apply()`` (after a commit, before the offsets are stored: a crash point).
     """
 
-    def __init__(self, settings: Settings, *, group: str, topics: list[str],
-                 event_types: tuple[str, ...], handler: Handler,
-                 batch_handler: BatchHandler | None = None, max_batch: int = 500) -> None:
-        self.settings = settings
-        self.max_batch = max_batch
-        self.batch_handler = batch_handler
-        self.group = group
-        self.topics = topics
-        self.event_types = event_types
-        self.handler = handler
+    on_applied: Callable[[Any], None] | None = None
+    on_duplicate: Callable[[Any], None] | None = None
+    on_dead_lettered: Callable[[str, str], None] | None = None
+    db_ok: Callable[[], None] | None = None
+    db_failed: Callable[[BaseException], None] | None = None
+    message_scope: Callable[..., contextlib.AbstractContextManager[Any]] | None = None
+    bind: Callable[..., None] | None = None
+    after_apply: Callable[[], None] | None = None
+
+
+def _call(hook: Callable[..., Any] | None, *args: Any, **kw: Any) -> None:
+    if hook is None:
+        return
+    try:
+        hook(*args, **kw)
+    except Exception:  # a metrics hook never decides a message's fate
+        log.exception("consumer hook %r failed", hook)
+
+
+class IdempotentConsumer:
+    """Consume the topics of the registered event classes and apply each event exactly once
+    per ``(group, dedup_key, event_type)``.
+
+    Parameters
+    ----------
+    settings : ConsumerSettings
+        Kafka, Postgres and limits (env prefix ``JOBSTREAM_CONSUMER_``).
+    group : str, optional
+        Consumer group (default ``settings.group``).
+    topics, event_types, handler, batch_handler
+        Untyped registration (one handler for every type in ``event_types``, read from
+        ``topics``); prefer :meth:`on`.
+    max_batch : int, optional
+        Most messages applied in one transaction (default ``settings.batch_size``; 1 = a
+        transaction per message).
+    kafka_config : dict, optional
+        librdkafka settings merged over the consumer's defaults.
+    sink : consumers.routing.DeadLetterSink, optional
+        Where dead letters go (default: one built from ``settings``).
+    hooks : Hooks, optional
+        Metrics and runtime callbacks; ``on_applied``, ``on_duplicate`` and
+        ``on_dead_lettered`` may also be passed directly.
+
+    Raises
+    ------
+    ValueError
+        Two handlers for one event class (from :meth:`on`).
+
+    Examples
+    --------
+    >>> consumer = IdempotentConsumer(ConsumerSettings(group="billing"),
+    ...                               on_applied=lambda ev: print("applied", ev.dedup_key))
+    >>> @consumer.on(JobReady)
+    ... def apply(tx, event: JobReady) -> None:
+    ...     ...  # statements on tx; do not commit
+    >>> consumer.topics
+    ['job.ready']
+    """
+
+    def __init__(self, settings: ConsumerSettings | None = None, *, group: str | None = None,
+                 topics: list[str] | None = None, event_types: tuple[str, ...] = (),
+                 handler: Handler | None = None, batch_handler: BatchHandler | None = None,
+                 max_batch: int | None = None, kafka_config: dict[str, Any] | None = None,
+                 sink: DeadLetterSink | None = None, hooks: Hooks | None = None,
+                 on_applied: Callable[[Any], None] | None = None,
+                 on_duplicate: Callable[[Any], None] | None = None,
+                 on_dead_lettered: Callable[[str, str], None] | None = None) -> None:
+        self.settings = settings = settings or ConsumerSettings()
+        self.group = group or settings.group
+        self.max_batch = max_batch or settings.batch_size
+        self.hooks = hooks or Hooks()
+        for name, fn in (("on_applied", on_applied), ("on_duplicate", on_duplicate),
+                         ("on_dead_lettered", on_dead_lettered)):
+            if fn is not None:
+                setattr(self.hooks, name, fn)
+        self._topics: list[str] = list(topics or [])
+        self._handlers: dict[str, Handler] = {}
+        self._batch_handlers: dict[str, BatchHandler] = {}
+        for t in event_types:
+            if handler is not None:
+                self._handlers[t] = handler
+            if batch_handler is not None:
+                self._batch_handlers[t] = batch_handler
+        self._table = (sql.Identifier(settings.db_schema, settings.table) if settings.db_schema
+                       else sql.Identifier(settings.table))
+        self._event_id_index = f"{settings.table}_event_id"
         self.stats = ConsumerStats()
         self._stop = threading.Event()
-        self._consumer = Consumer(consumer_config(settings, group))
-        self._sink = DeadLetterSink(settings, group=group)
+        self._consumer = Consumer({
+            "bootstrap.servers": settings.bootstrap_servers, "group.id": self.group,
+            "enable.auto.commit": True, "auto.commit.interval.ms": 1000,
+            "enable.auto.offset.store": False, "auto.offset.reset": "earliest",
+            "isolation.level": "read_committed",
+            "session.timeout.ms": settings.session_timeout_ms,
+            "heartbeat.interval.ms": max(500, settings.session_timeout_ms // 5),
+            **settings.kafka_extra, **(kafka_config or {})})
+        if sink is None:
+            dl = (sql.Identifier(settings.db_schema, settings.dead_letter_table)
+                  if settings.db_schema else sql.Identifier(settings.dead_letter_table))
+            sink = DeadLetterSink({"bootstrap.servers": settings.bootstrap_servers,
+                                   **settings.kafka_extra}, dsn=settings.dsn, group=self.group,
+                                  max_message_bytes=settings.max_message_bytes,
+                                  dlq_produce_timeout_s=settings.dlq_produce_timeout_s,
+                                  dlq_headroom_bytes=settings.dlq_headroom_bytes, table=dl)
+        self._sink = sink
         self._failures = FailureCounter()
         self._conn: psycopg.Connection | None = None
         self._headers: dict[tuple[Any, Any, Any], list[tuple[str, bytes | None]]] = {}
 
-    def headers(self, msg: Message) -> list[tuple[str, bytes | None]]:
-        """``msg``'s headers, read from confluent-kafka ONCE per message.
+    # -- registration -------------------------------------------------------------------
 
-        A header name that is not UTF-8 makes ``Message.headers()`` raise ``SystemError``
-        and leaves a broken list behind that crashes the process (SIGSEGV) on the next call.
-        Such a message's headers are unreadable: they become one header
-        ``headers_unreadable`` (with the error), the event itself is still processed, and a
-        dead letter of it keeps key, value and position.
+    def on(self, event_class: type[E], *, topic: str | None = None,
+           batch: Callable[[psycopg.Connection, list[E]], None] | None = None
+           ) -> Callable[[Callable[[psycopg.Connection, E], None]],
+                         Callable[[psycopg.Connection, E], None]]:
+        """Register the handler of ``event_class`` (a decorator).
+
+        The class chooses the route: its ``event_type`` is what is accepted and, with
+        ``settings.topic_prefix``, the topic subscribed (``topic`` overrides the name). The
+        handler gets the open transaction and the typed event; it must not commit. It may raise
+        :class:`~schemas.errors.PoisonMessage` (dead-lettered at once); any other error rolls
+        back and is retried (``poison_after`` identical failures -> ``handler_error`` DLQ).
+
+        Parameters
+        ----------
+        event_class : type
+            A ``schemas.events`` model (e.g. ``JobReady``).
+        topic : str, optional
+            Full topic name when it is not ``topic_prefix + event_type``.
+        batch : callable, optional
+            ``batch(tx, events)`` with the effect of calling the handler for each event in
+            order (e.g. multi-row statements); used for batches.
+
+        Raises
+        ------
+        ValueError
+            ``event_class`` already has a handler, or has no ``event_type``.
+
+        Examples
+        --------
+        >>> @consumer.on(JobReady)
+        ... def apply(tx, event: JobReady) -> None:
+        ...     tx.execute("INSERT INTO ledger (dedup_key) VALUES (%s)", (event.dedup_key,))
         """
+        fields = getattr(event_class, "model_fields", {})
+        event_type = fields["event_type"].default if "event_type" in fields else None
+        if not isinstance(event_type, str):
+            raise ValueError(f"{event_class!r} has no event_type: not an event model")
+        if event_type in self._handlers:
+            raise ValueError(f"{event_type} already has a handler: one handler per event class")
+
+        def register(fn: Callable[[psycopg.Connection, E], None]
+                     ) -> Callable[[psycopg.Connection, E], None]:
+            self._handlers[event_type] = fn
+            if batch is not None:
+                self._batch_handlers[event_type] = batch  # type: ignore[assignment]  # E erased
+            name = topic or self.settings.topic(event_type)
+            if name not in self._topics:
+                self._topics.append(name)
+            return fn
+
+        return register
+
+    @property
+    def topics(self) -> list[str]:
+        """Full names of the subscribed topics."""
+        return list(self._topics)
+
+    @property
+    def event_types(self) -> tuple[str, ...]:
+        """Event types with a handler (others are dead-lettered as ``unexpected_type``)."""
+        return tuple(self._handlers)
+
+    # -- tables -------------------------------------------------------------------------
+
+    def create_tables(self) -> None:
+        """Create ``processed_event`` and ``dead_letter`` in ``settings.db_schema``
+        (:func:`consumers.ddl.create_tables`). Raises ``psycopg.Error``."""
+        with psycopg.connect(self.settings.dsn, connect_timeout=10) as conn:
+            create_tables(conn, self.settings.db_schema or "public", self.settings.table,
+                          self.settings.dead_letter_table)
+
+    def gc(self, horizon_s: float, *, batch: int = 10_000) -> int:
+        """Delete this group's ``processed_event`` rows older than ``horizon_s`` seconds;
+        returns how many. Keep ``horizon_s`` above the longest time a copy of an event can
+        still arrive (the topic's retention, a replay window): a copy older than the horizon
+        would be applied again. Raises ``psycopg.Error``.
+
+        Examples
+        --------
+        >>> consumer.gc(7 * 86400)  # doctest: +SKIP
+        1234
+        """
+        q = sql.SQL("DELETE FROM {t} WHERE (consumer_group, dedup_key, event_type) IN ("
+                    " SELECT consumer_group, dedup_key, event_type FROM {t}"
+                    "  WHERE consumer_group = %s"
+                    "    AND processed_at < now() - make_interval(secs => %s) LIMIT %s)"
+                    ).format(t=self._table)
+        total = 0
+        with psycopg.connect(self.settings.dsn, autocommit=True, connect_timeout=10) as conn:
+            while True:
+                n = conn.execute(q, (self.group, float(horizon_s), batch)).rowcount
+                total += n
+                if n < batch:
+                    return total
+
+    # -- processing ---------------------------------------------------------------------
+
+    def headers(self, msg: Message) -> list[tuple[str, bytes | None]]:
+        """``msg``'s headers, read from confluent-kafka ONCE per message
+        (:func:`consumers.headers.read_headers`: unreadable header names become one header
+        ``headers_unreadable``; the event itself is still processed)."""
         pos = (msg.topic(), msg.partition(), msg.offset())
         got = self._headers.get(pos)
         if got is None:
@@ -117,17 +317,18 @@ class IdempotentConsumer:
         return got
 
     def stop(self, *_: Any) -> None:
-        """Ask the loop to return after the current message."""
+        """Ask the loop to return after the current message (also a signal handler)."""
         self._stop.set()
 
     def _db(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed:
             try:
-                self._conn = connect(self.settings.database_url)
+                self._conn = psycopg.connect(self.settings.dsn, row_factory=dict_row,
+                                             connect_timeout=10)
             except psycopg.OperationalError as exc:
-                health.failed(exc)
+                _call(self.hooks.db_failed, exc)
                 raise
-            health.ok()
+            _call(self.hooks.db_ok)
         return self._conn
 
     def db_probe(self) -> None:
@@ -136,7 +337,7 @@ class IdempotentConsumer:
         ``psycopg.OperationalError``."""
         conn = self._conn
         if conn is None or conn.closed:
-            connect(self.settings.database_url).close()
+            psycopg.connect(self.settings.dsn, connect_timeout=10).close()
 
     def _dead_letter(self, msg: Message, code: str, reason: str) -> None:
         """Make the dead letter durable (``<topic>.dlq``, else the dead_letter table). Raises
@@ -145,6 +346,7 @@ class IdempotentConsumer:
                         offset=msg.offset() or 0, key=msg.key(), value=msg.value(),
                         headers=self.headers(msg), code=code, reason=reason)
         self.stats.dead_lettered += 1
+        _call(self.hooks.on_dead_lettered, code, reason)
 
     def _decode(self, msg: Message) -> Any:
         """The message's event, bounded (size, JSON depth) before parsing. Raises
@@ -153,17 +355,21 @@ class IdempotentConsumer:
             raise PoisonMessage("message has no key (jobstream events are keyed by job id)",
                                 code="missing_key")
         return decode_event(msg.value(), expected=self.event_types,
-                            max_bytes=self.settings.kafka_message_max_bytes,
+                            max_bytes=self.settings.max_message_bytes,
                             max_depth=self.settings.max_json_depth)
+
+    def _scope(self, msg: Message) -> contextlib.AbstractContextManager[Any]:
+        if self.hooks.message_scope is None:
+            return contextlib.nullcontext()
+        return self.hooks.message_scope(self.headers(msg), group=self.group)
 
     def process(self, msg: Message) -> str:
         """Handle one message; returns ``applied``, ``duplicate`` or ``dead_lettered``.
 
-        Runs in the message's log context and trace span (its ``traceparent`` header).
         Raises ``psycopg.Error`` (or the handler's error) after rolling back: the caller must
         not store the offset and retries the message.
         """
-        with logs.message_scope(self.headers(msg), group=self.group):
+        with self._scope(msg):
             outcome = self._process(msg)
             log.debug("%s %s[%d]@%d", outcome, msg.topic(), msg.partition(), msg.offset())
             return outcome
@@ -174,20 +380,22 @@ class IdempotentConsumer:
         except PoisonMessage as exc:
             self._dead_letter(msg, exc.code, str(exc))
             return "dead_lettered"
-        logs.bind(request_id=event.request_id, tenant=event.tenant_id,
-                  event_type=event.event_type, job_id=event.job_id)
+        _call(self.hooks.bind, request_id=event.request_id, tenant=event.tenant_id,
+              event_type=event.event_type, job_id=event.job_id)
         conn = self._db()
         try:
             with conn.transaction():
-                row = _record(conn, self.group, event)
+                row = self._record(conn, event)
                 if row is None:
                     self.stats.duplicates += 1
+                    _call(self.hooks.on_duplicate, event)
                     return "duplicate"
-                self.handler(conn, event)
+                self._handlers[event.event_type](conn, event)
         except (PoisonMessage, psycopg.DataError, UnicodeEncodeError) as exc:
             self._dead_letter(msg, classify(exc)[1], describe(exc))
             return "dead_lettered"
         self.stats.applied += 1
+        _call(self.hooks.on_applied, event)
         return "applied"
 
     def process_batch(self, msgs: list[Message]) -> list[str]:
@@ -202,40 +410,50 @@ class IdempotentConsumer:
         outcomes: list[str] = ["duplicate"] * len(msgs)
         poison: list[tuple[int, PoisonMessage]] = []
         first: dict[tuple[str, str], tuple[int, Any]] = {}  # key -> first copy in the batch
+        seen: list[tuple[int, Any]] = []
         for i, msg in enumerate(msgs):
             try:
                 event = self._decode(msg)
             except PoisonMessage as exc:
                 poison.append((i, exc))
                 continue
+            seen.append((i, event))
             first.setdefault((event.dedup_key, event.event_type), (i, event))
         conn = self._db()
+        applied: list[Any] = []
         if first:
             events = [ev for _, ev in first.values()]
             with conn.transaction():
                 new = {(r["dedup_key"], r["event_type"]) for r in conn.execute(
-                    Q["record_processed_batch"], (
+                    sql.SQL(RECORD_PROCESSED_BATCH).format(table=self._table), (
                         self.group, [e.dedup_key for e in events],
                         [e.event_type for e in events], [e.event_id for e in events],
                         [e.job_id for e in events])).fetchall()}  # event_id reused: raises
                 todo = [(i, ev) for key, (i, ev) in first.items() if key in new]
-                if self.batch_handler is not None:
-                    if todo:
-                        self.batch_handler(conn, [ev for _, ev in todo])
+                types = {ev.event_type for _, ev in todo}
+                one = next(iter(types)) if len(types) == 1 else None
+                if one is not None and one in self._batch_handlers:
+                    self._batch_handlers[one](conn, [ev for _, ev in todo])
                 else:
                     with conn.pipeline():
                         for _, ev in todo:
-                            self.handler(conn, ev)
-                for i, _ in todo:
+                            self._handlers[ev.event_type](conn, ev)
+                for i, ev in todo:
                     outcomes[i] = "applied"
+                    applied.append(ev)
         for i, exc in poison:
             self._dead_letter(msgs[i], exc.code, str(exc))
             outcomes[i] = "dead_lettered"
         self.stats.applied += outcomes.count("applied")
         self.stats.duplicates += outcomes.count("duplicate")
+        for ev in applied:
+            _call(self.hooks.on_applied, ev)
+        for i, ev in seen:
+            if outcomes[i] == "duplicate":
+                _call(self.hooks.on_duplicate, ev)
         if log.isEnabledFor(logging.DEBUG):
             for msg, outcome in zip(msgs, outcomes, strict=True):
-                with logs.message_scope(self.headers(msg), group=self.group):
+                with self._scope(msg):
                     log.debug("%s %s[%d]@%d", outcome, msg.topic(), msg.partition(),
                               msg.offset())
         return outcomes
@@ -247,9 +465,9 @@ class IdempotentConsumer:
         Poison (decode, validation, :class:`PoisonMessage`, ``psycopg.DataError``) is
         dead-lettered at once. Transient failures (Postgres or the broker away) are retried with
         backoff, nothing skipped. Any other handler error is retried too, but the same error on
-        the same message ``consumer_poison_after`` times in a row makes it poison
-        (``handler_error``, the exception as reason). Each failure logs one ``processing
-        failed`` line with topic/partition/offset and the next action.
+        the same message ``poison_after`` times in a row makes it poison (``handler_error``,
+        the exception as reason). Each failure logs one ``processing failed`` line with
+        topic/partition/offset and the next action.
         """
         position = (msg.topic(), msg.partition(), msg.offset())
         backoff = 0.5
@@ -262,13 +480,13 @@ class IdempotentConsumer:
                 kind, code = classify(exc)
                 outage = isinstance(exc, psycopg.OperationalError)
                 if outage:
-                    health.failed(exc)  # one line per outage (jobstream.health), not per retry
-                if isinstance(exc, psycopg.OperationalError) and self._conn is not None:
-                    self._conn.close()
-                    self._conn = None
+                    _call(self.hooks.db_failed, exc)  # one line per outage, not per retry
+                    if self._conn is not None:
+                        self._conn.close()
+                        self._conn = None
                 if kind == "bug":
                     n = self._failures.record(position, exc)
-                    if n >= self.settings.consumer_poison_after:
+                    if n >= self.settings.poison_after:
                         log.warning("processing failed %s[%d]@%d (%s, %d times); next: "
                                     "dead-letter (%s)", *position, describe(exc), n,
                                     HANDLER_ERROR)
@@ -277,7 +495,7 @@ class IdempotentConsumer:
                             self._failures.forget(position)
                             return True
                         continue
-                    action = f"retry {n + 1}/{self.settings.consumer_poison_after}"
+                    action = f"retry {n + 1}/{self.settings.poison_after}"
                 elif kind == "poison":  # raised by the dead-lettering inside process()
                     action = "retry"
                 else:
@@ -306,7 +524,7 @@ class IdempotentConsumer:
         for msg in msgs:
             if not self._settle(msg):
                 return False  # stopping: the offset of the unprocessed message is not stored
-            faults.point("consumer_after_apply_before_offset")
+            _call(self.hooks.after_apply)
             self._store_offset(msg)
         return True
 
@@ -331,7 +549,7 @@ class IdempotentConsumer:
             try:
                 self.process_batch(msgs)
             except psycopg.OperationalError as exc:
-                health.failed(exc)
+                _call(self.hooks.db_failed, exc)
                 log.debug("batch failed (%s); retrying", exc)
                 if self._conn is not None:
                     self._conn.close()
@@ -342,7 +560,7 @@ class IdempotentConsumer:
                 log.info("batch of %d rolled back (%s: %s); applying one by one", len(msgs),
                          type(exc).__name__, exc)
                 return self._one_by_one(msgs)
-            faults.point("consumer_after_apply_before_offset")
+            _call(self.hooks.after_apply)
             last: dict[tuple[str, int], Message] = {}
             for m in msgs:
                 last[(m.topic() or "", m.partition() or 0)] = m
@@ -352,8 +570,17 @@ class IdempotentConsumer:
         return False
 
     def run(self, *, idle_exit_s: float | None = None) -> ConsumerStats:
-        """Consume until stopped (or, with ``idle_exit_s``, until idle that long)."""
-        self._consumer.subscribe(self.topics)
+        """Consume until :meth:`stop` (or, with ``idle_exit_s``, until idle that long, in
+        seconds); returns the counters. Closing commits the stored offsets.
+
+        Raises
+        ------
+        ValueError
+            No handler registered.
+        """
+        if not self._handlers or not self._topics:
+            raise ValueError("no handler registered: use @consumer.on(EventClass)")
+        self._consumer.subscribe(self._topics)
         last_msg = time.monotonic()
         try:
             while not self._stop.is_set():
@@ -381,31 +608,53 @@ class IdempotentConsumer:
                     break
         finally:
             self._consumer.close()  # commits the stored offsets
+            self._sink.close()
             if self._conn is not None:
                 self._conn.close()
         return self.stats
 
+    def run_forever(self) -> ConsumerStats:
+        """:meth:`run` until SIGTERM or SIGINT (graceful: the current message or batch is
+        finished and its offsets committed). Call it from the main thread."""
+        signal.signal(signal.SIGTERM, self.stop)
+        signal.signal(signal.SIGINT, self.stop)
+        stats = self.run()
+        log.info("consumer stopped: %s", stats)
+        return stats
 
-def _record(conn: psycopg.Connection, group: str, event: Any) -> Any:
-    """Insert the idempotent-consumer row; ``None`` for a duplicate. Raises
-    :class:`PoisonMessage` ``event_id_conflict`` when the event id was already recorded with
-    other content (another dedup key or event type)."""
-    try:
-        with conn.transaction():  # a savepoint: the outer transaction survives the refusal
-            return conn.execute(Q["record_processed"], (
-                group, event.dedup_key, event.event_type, event.event_id,
-                event.job_id)).fetchone()
-    except psycopg.errors.UniqueViolation as exc:
-        if exc.diag.constraint_name != "processed_event_event_id":
-            raise
-        raise PoisonMessage(f"event_id {event.event_id} was already used by another event",
-                            code="event_id_conflict") from None
+    def _record(self, conn: psycopg.Connection, event: Any) -> Any:
+        """Insert the idempotent-consumer row; ``None`` for a duplicate. Raises
+        :class:`PoisonMessage` ``event_id_conflict`` when the event id was already recorded
+        with other content (another dedup key or event type)."""
+        try:
+            with conn.transaction():  # a savepoint: the outer transaction survives the refusal
+                return conn.execute(sql.SQL(RECORD_PROCESSED).format(table=self._table), (
+                    self.group, event.dedup_key, event.event_type, event.event_id,
+                    event.job_id)).fetchone()
+        except psycopg.errors.UniqueViolation as exc:
+            if exc.diag.constraint_name != self._event_id_index:
+                raise
+            raise PoisonMessage(f"event_id {event.event_id} was already used by another event",
+                                code="event_id_conflict") from None
 
 
 def run_forever(consumer: IdempotentConsumer) -> int:
-    """Run ``consumer`` until SIGINT/SIGTERM; returns the exit code."""
-    signal.signal(signal.SIGTERM, consumer.stop)
-    signal.signal(signal.SIGINT, consumer.stop)
-    stats = consumer.run()
-    log.info("consumer stopped: %s", stats)
+    """Run ``consumer`` until SIGINT/SIGTERM; returns the exit code (0)."""
+    consumer.run_forever()
     return 0
+
+
+#: The idempotent-consumer row, in the same transaction as the effect. No row back = duplicate.
+RECORD_PROCESSED = """
+INSERT INTO {table} (consumer_group, dedup_key, event_type, event_id, job_id)
+VALUES (%s, %s, %s, %s, %s)
+ON CONFLICT (consumer_group, dedup_key, event_type) DO NOTHING
+RETURNING 1 AS inserted"""
+#: The rows of a batch (distinct keys). Returns the keys that were new; others are duplicates.
+RECORD_PROCESSED_BATCH = """
+INSERT INTO {table} (consumer_group, dedup_key, event_type, event_id, job_id)
+SELECT %s, u.dedup_key, u.event_type, u.event_id, u.job_id
+  FROM unnest(%s::text[], %s::text[], %s::uuid[], %s::uuid[])
+       AS u(dedup_key, event_type, event_id, job_id)
+ON CONFLICT (consumer_group, dedup_key, event_type) DO NOTHING
+RETURNING dedup_key, event_type"""

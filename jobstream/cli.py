@@ -220,8 +220,8 @@ def metrics_cmd(host: str, port: int) -> None:
 def consume_ready() -> None:
     """Run the example downstream consumer that applies job.ready exactly once."""
     from consumers.idempotent import run_forever
-    from consumers.ready_applier import build
     from jobstream import health, outage
+    from jobstream.ready_applier import build
     consumer = build(get_settings())
     outage.install(get_settings().kafka_bootstrap_servers)
     health.setup("consume-ready", get_settings(), probe=consumer.db_probe)

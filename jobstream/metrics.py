@@ -264,7 +264,7 @@ class KafkaLag:
 
     def groups(self) -> list[str]:
         """The groups to report. Raises ``KafkaException``."""
-        from consumers.ready_applier import GROUP as DOWNSTREAM
+        from jobstream.ready_applier import GROUP as DOWNSTREAM
         s = self.settings
         known = {s.group("jobstream-streams"), s.group(DOWNSTREAM),
                  *s.metrics_consumer_groups}

@@ -32,7 +32,7 @@ replication_slot    a logical replication slot is inactive or retains more WAL t
 =================== ===============================================================================
 
 Downstreams are plug-ins too (``DOWNSTREAMS``: name -> :class:`Downstream`); the example
-downstream (``consumers/ready_applier.py``) is ``ready-applier``. ``Settings.verify_downstreams``
+downstream (``jobstream/ready_applier.py``) is ``ready-applier``. ``Settings.verify_downstreams``
 picks the ones a deployment runs.
 """
 
@@ -121,7 +121,7 @@ class Downstream(Protocol):
 
 
 class ReadyApplier:
-    """The example downstream (``consumers/ready_applier.py``): one analysis row and one
+    """The example downstream (``jobstream/ready_applier.py``): one analysis row and one
     ledger charge per dedup_key."""
 
     def applied_twice(self, ctx: VerifyContext) -> list[Finding]:

@@ -59,7 +59,7 @@ DLQ_HEADERS: dict[str, str] = {
     "dlq_original_partition": "Its partition there.",
     "dlq_original_offset": "Its offset there.",
 }
-#: Headers a dead letter carries only in some cases (``jobstream/deadletter.py``).
+#: Headers a dead letter carries only in some cases (``consumers/routing.py``).
 DLQ_OPTIONAL_HEADERS: dict[str, str] = {
     "dlq_consumed_topic": "Where it was actually read when that is not dlq_original_topic "
                           "(its .retry twin); the partition and offset are positions there.",
@@ -92,7 +92,7 @@ CONSUMED_BY = {
     "job.chunks_ready.batch": "the LLM stage of the batch lane (agent llm_batch)",
     "job.llm_done": "validation",
     "job.validated": "publication",
-    "job.ready": "downstream services (consumers/ready_applier.py is the example)",
+    "job.ready": "downstream services (the consumers/ library; see examples/downstream_service/)",
 }
 
 

@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from jobstream.errors import PoisonMessage
+from schemas.errors import PoisonMessage
 
 SCHEMA_VERSION = 1
 

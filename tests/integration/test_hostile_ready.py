@@ -12,9 +12,8 @@ import psycopg
 import pytest
 from confluent_kafka import Producer
 
-from consumers.idempotent import IdempotentConsumer
-from consumers.ready_applier import apply_ready
 from jobstream.kafka import base_config, group_lag
+from jobstream.ready_applier import apply_ready, idempotent_consumer
 from jobstream.settings import Settings
 from schemas.events import DocumentAnalysis, JobReady, JobReadyPayload, encode_event
 from tests.helpers import ProcessRunner, query, wait_for
@@ -86,7 +85,7 @@ def test_the_same_handler_error_n_times_dead_letters_the_message(
             raise ValueError("the handler cannot take this one")
         apply_ready(conn, ev)
 
-    consumer = IdempotentConsumer(s, group=s.group("poison-after"),
+    consumer = idempotent_consumer(s, group=s.group("poison-after"),
                                   topics=[s.topic("job.ready")], event_types=("job.ready",),
                                   handler=handler, max_batch=1)
     _produce(settings, [(0, b"same", encode_event(bad)), (0, b"same", encode_event(ok))])

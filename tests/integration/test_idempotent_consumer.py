@@ -13,9 +13,9 @@ import psycopg
 import pytest
 
 from consumers.idempotent import IdempotentConsumer
-from consumers.ready_applier import apply_ready, apply_ready_batch, build
 from jobstream.errors import PoisonMessage
 from jobstream.producer import produce_raw
+from jobstream.ready_applier import apply_ready, apply_ready_batch, build, idempotent_consumer
 from jobstream.settings import Settings
 from schemas.events import DocumentAnalysis, JobReady, JobReadyPayload, encode_event
 from tests.helpers import ProcessRunner, query, read_topic, wait_for
@@ -99,7 +99,7 @@ def test_a_refused_event_rolls_back_the_batch_and_costs_only_itself(
 
     events = [_ready("acme", n) for n in ("a", "b", "bad", "c")]
     _produce(settings, [*events, events[0]])
-    consumer = IdempotentConsumer(
+    consumer = idempotent_consumer(
         settings, group=settings.group("test-refuse"), topics=[settings.topic("job.ready")],
         event_types=("job.ready",), handler=handler,
         batch_handler=batch_handler if batched_handler else None)

@@ -10,6 +10,7 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException
 
 from consumers.idempotent import IdempotentConsumer
+from jobstream.ready_applier import idempotent_consumer
 from jobstream.settings import Settings
 
 
@@ -48,7 +49,7 @@ class FakeConsumer:
 
 
 def _consumer(fake: FakeConsumer) -> IdempotentConsumer:
-    c = IdempotentConsumer(Settings(kafka_bootstrap_servers="127.0.0.1:1"), group="g",
+    c = idempotent_consumer(Settings(kafka_bootstrap_servers="127.0.0.1:1"), group="g",
                            topics=["t"], event_types=("job.ready",),
                            handler=lambda conn, ev: None)
     c._consumer.close()

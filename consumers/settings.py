@@ -1,0 +1,63 @@
+"""The consumer library's own settings (environment prefix ``JOBSTREAM_CONSUMER_``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ConsumerSettings(BaseSettings):
+    """Settings of one :class:`~consumers.idempotent.IdempotentConsumer`.
+
+    Read from the environment with the prefix ``JOBSTREAM_CONSUMER_`` (e.g.
+    ``JOBSTREAM_CONSUMER_DSN``, ``JOBSTREAM_CONSUMER_GROUP``); arguments win.
+
+    Examples
+    --------
+    >>> s = ConsumerSettings(group="billing", dsn="postgresql://u:p@db/billing",
+    ...                      bootstrap_servers="127.0.0.1:9092", db_schema="billing")
+    >>> s.topic("job.ready")
+    'job.ready'
+    """
+
+    model_config = SettingsConfigDict(env_prefix="JOBSTREAM_CONSUMER_", extra="ignore")
+
+    bootstrap_servers: str = Field("127.0.0.1:9092",
+                                   description="Comma-separated host:port list of Kafka brokers.")
+    group: str = Field("downstream", min_length=1,
+                       description="Kafka consumer group, also the dedup namespace in the table.")
+    dsn: str = Field("postgresql://localhost/postgres",
+                     description="Postgres connection string (the effects' database).")
+    db_schema: str = Field("public",
+                           description="Schema of the processed_event and dead_letter tables "
+                                       "('' = unqualified names, found on the search_path).")
+    table: str = Field("processed_event", min_length=1,
+                       description="Name of the idempotent-consumer (dedup) table.")
+    dead_letter_table: str = Field("dead_letter", min_length=1,
+                                   description="Name of the dead-letter fallback table.")
+    topic_prefix: str = Field("", description="Prefix of every topic name (e.g. per tenant).")
+    batch_size: int = Field(500, ge=1, description="Most messages applied in one transaction.")
+    poison_after: int = Field(5, ge=1, description="The same handler error on the same message "
+                                                   "this many times makes it poison (DLQ).")
+    max_message_bytes: int = Field(8 * 1024 * 1024, ge=10_000,
+                                   description="Largest message value decoded (bytes); larger "
+                                               "is poison (message_too_large).")
+    max_json_depth: int = Field(64, ge=4, description="Deepest JSON nesting decoded; deeper is "
+                                                      "poison (json_too_deep).")
+    dlq_produce_timeout_s: float = Field(10.0, gt=0,
+                                         description="A dead letter <topic>.dlq has not "
+                                                     "acknowledged within this long (seconds) "
+                                                     "goes to the dead_letter table.")
+    dlq_headroom_bytes: int = Field(64 * 1024, ge=4096,
+                                    description="Room for dlq_* headers above "
+                                                "max_message_bytes (bytes).")
+    session_timeout_ms: int = Field(10_000, ge=1000,
+                                    description="Kafka consumer session timeout (ms).")
+    kafka_extra: dict[str, Any] = Field(default_factory=dict,
+                                        description="librdkafka options passed verbatim.")
+
+    def topic(self, name: str) -> str:
+        """Full topic name of logical topic ``name`` (adds :attr:`topic_prefix`)."""
+        return f"{self.topic_prefix}{name}"

@@ -1,0 +1,99 @@
+"""The consumer library used standalone (no jobstream settings, tables or hooks) on real Kafka
++ Postgres: its own schema and DDL, typed registration, metrics hooks, the dead-letter table
+fallback of its own DDL when the DLQ refuses a poison message, N identical handler failures ->
+DLQ, and retention (``gc``)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
+
+from consumers import ConsumerSettings, IdempotentConsumer, create_tables
+from jobstream.kafka import base_config
+from jobstream.producer import produce_raw
+from jobstream.settings import Settings
+from schemas.events import DocumentAnalysis, JobReady, JobReadyPayload, encode_event
+from tests.helpers import query, read_topic, wait_for
+
+pytestmark = pytest.mark.integration
+SCHEMA = "lib_test"
+
+
+def _ready(name: str) -> JobReady:
+    return JobReady(
+        tenant_id="acme", idempotency_key=name, job_id=uuid.uuid4(),
+        dedup_key=uuid.uuid4().hex * 2,
+        payload=JobReadyPayload(
+            result=DocumentAnalysis(title=name, summary="s", keywords=["a"], word_count=1,
+                                    chunk_count=1, fields={}),
+            document_sha256="a" * 64, filename=name, cost_usd=0.0, charge_usd=0.5))
+
+
+def test_standalone_library_routes_applies_and_collects(settings: Settings) -> None:
+    dlq = settings.topic("job.ready.dlq")
+    admin = AdminClient(base_config(settings))
+    res = ConfigResource(ConfigResource.Type.TOPIC, dlq, incremental_configs=[
+        ConfigEntry("max.message.bytes", "2000", incremental_operation=AlterConfigOpType.SET)])
+    for fut in admin.incremental_alter_configs([res]).values():
+        fut.result(30)
+    cs = ConsumerSettings(bootstrap_servers=settings.kafka_bootstrap_servers,
+                          dsn=settings.database_url, group=settings.group("lib"),
+                          db_schema=SCHEMA, topic_prefix=settings.topic_prefix,
+                          poison_after=2, dlq_produce_timeout_s=5, batch_size=1)
+    with psycopg.connect(settings.database_url) as conn:
+        create_tables(conn, SCHEMA)
+        create_tables(conn, SCHEMA)  # idempotent
+        conn.execute(f"CREATE TABLE {SCHEMA}.seen (name text PRIMARY KEY)")  # noqa: S608
+        conn.commit()
+    seen: dict[str, list[Any]] = {"applied": [], "duplicate": [], "dead": []}
+    consumer = IdempotentConsumer(
+        cs, on_applied=lambda ev: seen["applied"].append(ev.idempotency_key),
+        on_duplicate=lambda ev: seen["duplicate"].append(ev.idempotency_key),
+        on_dead_lettered=lambda code, reason: seen["dead"].append(code))
+
+    @consumer.on(JobReady)
+    def apply(tx: psycopg.Connection, event: JobReady) -> None:
+        if event.idempotency_key == "explodes":
+            raise ValueError("cannot take this one")
+        tx.execute(f"INSERT INTO {SCHEMA}.seen VALUES (%s)",  # noqa: S608
+                   (event.idempotency_key,))
+
+    a, b, bad = _ready("a"), _ready("b"), _ready("explodes")
+    big_poison = b'{"junk": "' + os.urandom(6000).hex().encode() + b'"}'  # over the DLQ's size
+    produce_raw(settings, settings.topic("job.ready"), [
+        (b"k", encode_event(a)), (b"k", big_poison), (b"k", encode_event(a)),
+        (b"k", encode_event(bad)), (b"k", encode_event(b))])
+    t = threading.Thread(target=consumer.run, daemon=True)
+    t.start()
+    try:
+        wait_for(lambda: len(seen["applied"]) + len(seen["duplicate"]) + len(seen["dead"]) >= 5,
+                 90, f"5 messages handled ({seen})")
+    finally:
+        consumer.stop()
+        t.join(30)
+    assert not t.is_alive()
+    assert (seen["applied"], seen["duplicate"]) == (["a", "b"], ["a"])
+    assert seen["dead"] == ["schema_violation", "handler_error"]
+    assert query(settings.database_url, f"SELECT name FROM {SCHEMA}.seen ORDER BY name"  # noqa: S608
+                 ) == [{"name": "a"}, {"name": "b"}]
+    rows = query(settings.database_url,  # the big poison: refused by the DLQ, kept in the table
+                 f"SELECT consumer_group, value, dlq_error FROM {SCHEMA}.dead_letter")  # noqa: S608
+    assert len(rows) == 1 and bytes(rows[0]["value"]) == big_poison, rows
+    assert rows[0]["consumer_group"] == cs.group
+    assert query(settings.database_url, "SELECT count(*) AS n FROM public.dead_letter"
+                 )[0]["n"] == 0
+    codes = [dict(m.headers()).get("dlq_reason_code") for m in read_topic(settings, dlq)]
+    assert b"handler_error" in codes
+    # Retention: nothing is older than an hour; everything is older than 0 s.
+    assert consumer.gc(3600) == 0
+    time.sleep(0.05)
+    assert consumer.gc(0) == 2
+    assert query(settings.database_url,
+                 f"SELECT count(*) AS n FROM {SCHEMA}.processed_event")[0]["n"] == 0  # noqa: S608

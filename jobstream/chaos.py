@@ -33,6 +33,8 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -540,6 +542,14 @@ def run_point(base: Settings, fault: str, *, jobs: int, logdir: Path,
                     redrives=mode == "pause")
                 result.violations += v
                 result.effects = effects
+                if mode == "pause":  # the auditor of a running system must agree
+                    audit = subprocess.run(
+                        [sys.executable, "-m", "jobstream.cli", "verify", "--tenant", tenant,
+                         "--grace", "1"], env=runner.env, capture_output=True, text=True,
+                        timeout=120)
+                    if audit.returncode != 0:
+                        result.violations.append(f"jobstream verify exit {audit.returncode}: "
+                                                 f"{audit.stdout[-2000:]}{audit.stderr[-500:]}")
                 result.effects["downstream_duplicates"] = sum(
                     _count_lines(p, " duplicate ") for p in runner.procs
                     if p.name.startswith("consume-ready"))

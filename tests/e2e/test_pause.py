@@ -10,6 +10,9 @@ fake provider on loopback, SIGSTOP/SIGCONT and SIGKILL sent for real:
 - a 25 s provider call under an 8 s lease is made exactly once (the heartbeat keeps the lease);
 - a killed run's attempt is closed ``abandoned`` (no orphan ``started`` row);
 - the pause matrix of ``jobstream chaos --mode pause`` at a small size, every point.
+
+Invariants: ``chaos.check_invariants`` (one result per stage and generation, each dedup_key
+applied once, one success per chunk, no orphan attempt) and ``jobstream verify`` (exit 0).
 """
 
 from __future__ import annotations
@@ -70,6 +73,10 @@ class Rig:
             calls_by_key=self.fake.snapshot()["by_key"], worker_killed=True,
             redrives=redrives)
         assert violations == [], "\n".join(violations) + "\n" + self.runner.logs()
+        # ... and the auditor of a running system agrees (exit 0: nothing broken).
+        got = self.runner.run("verify", "--tenant", self.tenant, "--grace", "1", "--json",
+                              **self.env)
+        assert got.returncode == 0, got.stdout + got.stderr
         return effects
 
 

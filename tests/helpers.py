@@ -81,6 +81,26 @@ class ProcessRunner:
                               env=self.env(**env), capture_output=True, text=True,
                               timeout=timeout_s)
 
+    def start_api(self, tokens: dict[str, str], **env: str) -> tuple[str, Proc]:
+        """Start ``jobstream api`` on a free loopback port with bearer ``tokens`` (token ->
+        tenant) and wait (30 s at most) until ``/healthz`` answers 200. Returns ``(base URL,
+        process)``."""
+        import json
+
+        import httpx
+        port = free_port()
+        env.setdefault("JOBSTREAM_API_TOKENS", json.dumps(tokens))
+        proc = self.start("api", "--port", str(port), **env)
+        url = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            try:
+                return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+        wait_for(up, 30, "the API to answer", self.logs)
+        return url, proc
+
     def pipeline(self, **env: str) -> dict[str, Proc]:
         """Start relay, stage workers and the downstream applier."""
         return {"relay": self.start("relay", **env), "worker": self.start("worker", **env),
@@ -114,6 +134,14 @@ def query(url: str, q: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]
     """Run one read-only test query (test-only SQL: assertions over the store's tables)."""
     with psycopg.connect(url, row_factory=dict_row, autocommit=True) as conn:
         return conn.execute(q, params).fetchall()  # type: ignore[arg-type]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def wait_for(pred: Callable[[], Any], timeout_s: float, what: str,

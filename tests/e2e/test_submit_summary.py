@@ -3,41 +3,23 @@ a summary table names the failures with their stage and error code, the exit cod
 
 from __future__ import annotations
 
-import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
 from jobstream.settings import Settings
-from tests.helpers import ProcessRunner, query, wait_for
+from tests.helpers import ProcessRunner, query
 
 pytestmark = pytest.mark.e2e
 
 LICENSES = Path("/usr/share/common-licenses")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_submit_mixed_documents_prints_a_summary_and_exits_1(
         procs: ProcessRunner, settings: Settings, tmp_path: Path) -> None:
-    port = _free_port()
-    procs.start("api", "--port", str(port), JOBSTREAM_API_TOKENS=json.dumps({"tok": "acme"}))
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-    wait_for(up, 30, "the API", procs.logs)
+    url, _ = procs.start_api({"tok": "acme"})
     procs.pipeline()
     good = [LICENSES / "BSD", LICENSES / "MIT"] if (LICENSES / "MIT").exists() \
         else [LICENSES / "BSD", LICENSES / "Apache-2.0"]

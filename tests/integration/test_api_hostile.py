@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from jobstream.settings import Settings
-from tests.helpers import Proc, ProcessRunner, query, wait_for
+from tests.helpers import Proc, ProcessRunner, free_port, query
 from tests.hostile_documents import good_pdf
 
 pytestmark = pytest.mark.integration
@@ -27,25 +27,8 @@ ACME = {"Authorization": "Bearer tok-acme-hostile"}
 MiB = 1024 * 1024
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start_api(procs: ProcessRunner, **env: str) -> tuple[str, Proc]:
-    port = _free_port()
-    env.setdefault("JOBSTREAM_API_TOKENS", json.dumps(TOKENS))
-    proc = procs.start("api", "--port", str(port), **env)
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-    wait_for(up, 30, "the API to answer", procs.logs)
-    return url, proc
+    return procs.start_api(TOKENS, **env)
 
 
 @pytest.fixture
@@ -264,7 +247,7 @@ def test_api_refuses_placeholder_tokens_unless_the_development_flag_is_set(
         procs: ProcessRunner) -> None:
     # Row 11: docker-compose shipped the token change-me.
     for tokens in ({"change-me": "demo"}, {"": "demo"}):
-        r = procs.run("api", "--port", str(_free_port()), timeout_s=60,
+        r = procs.run("api", "--port", str(free_port()), timeout_s=60,
                       JOBSTREAM_API_TOKENS=json.dumps(tokens))
         assert r.returncode != 0
         assert "placeholder" in r.stderr and "JOBSTREAM_API_ALLOW_DEV_TOKENS" in r.stderr

@@ -6,7 +6,6 @@ computation that failed or was cancelled."""
 from __future__ import annotations
 
 import json
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,25 +24,9 @@ ACME = {"Authorization": "Bearer tok-acme"}
 LICENSES = Path("/usr/share/common-licenses")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def api(procs: ProcessRunner) -> Iterator[str]:
-    port = _free_port()
-    procs.start("api", "--port", str(port), JOBSTREAM_API_TOKENS=json.dumps(TOKENS),
-                JOBSTREAM_SSE_KEEPALIVE_S="0.5")
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-    wait_for(up, 30, "the API to answer", procs.logs)
+    url, _ = procs.start_api(TOKENS, JOBSTREAM_SSE_KEEPALIVE_S="0.5")
     yield url
 
 

@@ -136,6 +136,20 @@ def query(url: str, q: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]
         return conn.execute(q, params).fetchall()  # type: ignore[arg-type]
 
 
+def wait_pipeline_drained(settings: Settings, procs: ProcessRunner, timeout_s: float = 60.0
+                          ) -> None:
+    """Wait until the stage workers' group (every stage topic and its ``.retry`` twin) and the
+    example downstream's group (``job.ready``) have consumer lag 0."""
+    from jobstream.kafka import STAGE_TOPICS, group_lag
+    streams = settings.group("jobstream-streams")
+    topics = [settings.topic(t) for t in STAGE_TOPICS] + [
+        settings.topic(t + ".retry") for t in STAGE_TOPICS]
+    wait_for(lambda: group_lag(settings, streams, topics) == 0
+             and group_lag(settings, settings.group("downstream-ready-applier"),
+                           [settings.topic("job.ready")]) == 0,
+             timeout_s, "consumer lag 0", procs.logs, every_s=1.0)
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
     import socket

@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 from confluent_kafka import Producer
 
-from jobstream.kafka import STAGE_TOPICS, base_config, group_lag
+from jobstream.kafka import STAGE_TOPICS, base_config
 from jobstream.settings import Settings
 from schemas.events import (
     ChunksReady,
@@ -57,7 +57,7 @@ from schemas.events import (
     ValidatedPayload,
     encode_event,
 )
-from tests.helpers import ProcessRunner, query, wait_for
+from tests.helpers import ProcessRunner, query, wait_for, wait_pipeline_drained
 
 pytestmark = pytest.mark.e2e
 
@@ -332,13 +332,7 @@ def test_hostile_corpus_on_every_consumed_topic(settings: Settings,
              lambda: str(sorted(wanted - {(r.get("headers") or {}).get("corpus")
                                           for r in listed}))[:3000] + procs.logs(),
              every_s=3.0)
-    streams = settings.group("jobstream-streams")
-    topics = [settings.topic(t) for t in STAGE_TOPICS] + [
-        settings.topic(t + ".retry") for t in STAGE_TOPICS]
-    wait_for(lambda: group_lag(settings, streams, topics) == 0
-             and group_lag(settings, settings.group("downstream-ready-applier"),
-                           [settings.topic("job.ready")]) == 0,
-             60, "consumer lag 0", procs.logs, every_s=1.0)
+    wait_pipeline_drained(settings, procs)
     time.sleep(2.0)  # anything still in flight would show up below
 
     # Every bad message: listed, with a reason code, never `unhandled`.

@@ -24,10 +24,10 @@ from typing import Any
 
 import pytest
 
-from jobstream.kafka import STAGE_TOPICS, group_lag
+from jobstream.kafka import STAGE_TOPICS
 from jobstream.settings import Settings
 from schemas.events import DocumentRef, DocumentUploaded, DocumentUploadedPayload, encode_event
-from tests.helpers import ProcessRunner, query, wait_for
+from tests.helpers import ProcessRunner, query, wait_for, wait_pipeline_drained
 
 pytestmark = pytest.mark.e2e
 
@@ -151,13 +151,7 @@ def test_hostile_headers_on_every_consumed_topic(settings: Settings,
              if str((r.get("headers") or {}).get("corpus")).endswith("|dup_null_binary")]
     assert len(nulls) >= len(topics_of(bad)) and all(
         "nullvalue" in h and h["nullvalue"] is None for h in nulls), nulls[:3]
-    streams = settings.group("jobstream-streams")
-    topics = [settings.topic(t) for t in STAGE_TOPICS] + [
-        settings.topic(t + ".retry") for t in STAGE_TOPICS]
-    wait_for(lambda: group_lag(settings, streams, topics) == 0
-             and group_lag(settings, settings.group("downstream-ready-applier"),
-                           [settings.topic("job.ready")]) == 0,
-             60, "consumer lag 0", procs.logs, every_s=1.0)
+    wait_pipeline_drained(settings, procs)
     time.sleep(1.0)
     for p in started.values():
         text = p.log_text()

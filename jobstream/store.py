@@ -11,11 +11,12 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from datetime import datetime
-from typing import Any
+from decimal import Decimal
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg.rows import dict_row
@@ -33,6 +34,99 @@ STAGES = ("uploaded", "text_extracted", "chunks_ready", "llm_done", "validated",
 TERMINAL = ("succeeded", "failed", "cancelled")
 
 
+R = TypeVar("R")
+
+
+def typed_row(cls: type[R], row: dict[str, Any]) -> R:
+    """A typed row (a dataclass below) from a dict row; columns the class does not name (added
+    by a later migration) are ignored. Raises ``TypeError`` when a named column is missing."""
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = frozenset(f.name for f in fields(cls))  # type: ignore[arg-type]
+    return cls(**{k: v for k, v in row.items() if k in names})
+
+
+_FIELDS: dict[type, frozenset[str]] = {}
+
+
+@dataclass(frozen=True)
+class JobRow:
+    """One row of ``job``: a client's computation (money in USD, times timezone-aware)."""
+
+    job_id: uuid.UUID
+    tenant_id: str
+    idempotency_key: str
+    request_hash: str
+    dedup_key: str
+    request_id: str
+    document_sha256: str
+    filename: str
+    content_type: str
+    pipeline: str
+    prompt_version: str
+    model_profile: str
+    lane: str
+    status: str
+    current_stage: str
+    cancel_requested: bool
+    error_code: str | None
+    error: str | None
+    cost_usd: Decimal
+    charge_usd: Decimal
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+    generation: int = 0
+    cancel_requested_at: datetime | None = None
+    trace_id: str | None = None
+    sweeps: int = 0
+    swept_at: datetime | None = None
+
+    def __getitem__(self, name: str) -> Any:
+        """Transitional (until the stage bodies move to streams/ and read attributes)."""
+        return getattr(self, name)
+
+
+@dataclass(frozen=True)
+class ChunkRow:
+    """One chunk of a job's text: position ``idx``, its text and hash, and the model's output
+    (``None`` until answered)."""
+
+    idx: int
+    text: str
+    text_sha256: str
+    llm_output: Any = None
+
+
+@dataclass(frozen=True)
+class StageInputs:
+    """What a stage reads, fetched in its claim transaction (see :meth:`Store.claim`'s
+    ``reads``): the document's bytes (``document``), the previous checkpoint's output
+    (``previous_output``), the job's chunks, and for the LLM stage's budget the provider
+    attempts per chunk index (all runs) and the job's provider cost so far (USD)."""
+
+    document: bytes | None = None
+    previous_output: Any = None
+    chunks: tuple[ChunkRow, ...] = ()
+    chunk_attempts: dict[int, int] = field(default_factory=dict)
+    job_provider_cost_usd: float = 0.0
+
+
+@dataclass(frozen=True)
+class LocalAnswer:
+    """A chunk answered in-process (no remote provider): recorded as a ``succeeded`` provider
+    attempt together with the chunk's output in the stage's completion transaction."""
+
+    idx: int
+    attempt: int
+    model: str
+    output: Any
+    latency_ms: float
+    prompt_tokens: int
+    completion_tokens: int
+    cost_usd: float
+
+
 @dataclass(frozen=True)
 class IntakeResult:
     """``job_id`` of the intent; ``created`` is False when the job already existed. ``dedup``:
@@ -48,19 +142,21 @@ class IntakeResult:
 @dataclass(frozen=True)
 class Claim:
     """A claimed stage run: the fencing token (``run_token``), attempt number and lease end.
-    The run's generation is ``job["generation"]`` (the job row read under the claim's lock):
-    every move of the run is fenced by run token AND generation."""
+    The run's generation is ``job.generation`` (the job row read under the claim's lock):
+    every move of the run is fenced by run token AND generation. ``inputs``: what the stage
+    reads, fetched in the claim's transaction."""
 
-    job: dict[str, Any]
+    job: JobRow
     stage: str
     run_token: uuid.UUID
     attempt: int
     lease_until: datetime
+    inputs: StageInputs = field(default_factory=StageInputs)
 
     @property
     def generation(self) -> int:
         """The job generation this run belongs to (a redrive starts a new one)."""
-        return int(self.job["generation"])
+        return self.job.generation
 
 
 @dataclass(frozen=True)
@@ -76,7 +172,7 @@ class Done:
     """The stage already succeeded under the current code version but this event was not
     processed yet (a redrive): re-emit ``emitted`` (the payload of the stage's event)."""
 
-    job: dict[str, Any]
+    job: JobRow
     emitted: dict[str, Any]
 
 
@@ -308,7 +404,8 @@ class Store:
 
     def claim(self, *, job_id: uuid.UUID, stage: str, group: str, dedup_key: str,
               event_type: str, event_id: uuid.UUID, lease_s: float, code_version: str,
-              generation: int = 0) -> Claim | Skip | Done | LeaseHeld:
+              generation: int = 0, reads: tuple[str, ...] = ()
+              ) -> Claim | Skip | Done | LeaseHeld:
         """Claim ``stage`` of a job for one run (short transaction, no lock kept).
 
         Returns :class:`Skip` for a duplicate delivery (the idempotent-consumer row exists) or a
@@ -321,49 +418,127 @@ class Store:
         its duplicate. The generation is checked BEFORE the idempotent-consumer row: an old
         generation's event is ``superseded``, whatever a stale run may have recorded.
 
+        ``reads``: what the stage reads, fetched in the same transaction into
+        ``Claim.inputs`` (:class:`StageInputs`): ``document``, ``output:<stage>`` (a succeeded
+        checkpoint's output), ``chunks``, ``budget`` (provider attempts per chunk and the
+        job's provider cost).
+
         A claim that takes the stage over closes the orphan attempts of the runs it replaces
         (``abandoned``, see :meth:`close_orphans`).
         """
         with self.tx() as conn:
-            job = conn.execute(Q["get_job_for_update"], (job_id,)).fetchone()
-            if job is None:
-                return Skip("unknown_job")
-            if generation < job["generation"]:
-                return Skip("superseded")
-            if conn.execute(Q["is_processed"], (group, dedup_key, event_type)).fetchone():
-                return Skip("duplicate")
-            if job["status"] in (*TERMINAL, "needs_reconciliation") or job["cancel_requested"]:
-                if job["cancel_requested"]:
-                    conn.execute(Q["cancel_job"], (job_id,))
-                conn.execute(Q["record_processed"], (group, dedup_key, event_type, event_id,
-                                                     job_id))
-                return Skip("cancelled" if job["cancel_requested"] else "terminal")
-            row = conn.execute(Q["claim_stage"], {"job_id": job_id, "stage": stage,
-                                                  "run_token": uuid.uuid4(),
-                                                  "lease_s": lease_s,
-                                                  "code_version": code_version}).fetchone()
-            if row is None:
-                cur = conn.execute(Q["get_stage"], (job_id, stage)).fetchone()
-                assert cur is not None
-                if cur["status"] == "succeeded":
-                    return Done(dict(job), cur["emitted"])
-                if cur["status"] in ("failed", "needs_reconciliation"):
-                    return Skip("terminal")
-                return LeaseHeld(cur["lease_until"])
-            conn.execute(Q["close_orphan_attempts"], {"job_id": job_id, "stage": stage})
-            return Claim(dict(job), stage, row["run_token"], row["attempt"], row["lease_until"])
+            return self._claim_in(conn, job_id=job_id, stage=stage, group=group,
+                                  dedup_key=dedup_key, event_type=event_type,
+                                  event_id=event_id, lease_s=lease_s,
+                                  code_version=code_version, generation=generation,
+                                  reads=reads)
 
-    def reemit(self, *, job: dict[str, Any], group: str, event_type: str,
+    def claim_and_complete(self, work: Callable[[Claim], dict[str, Any]], **claim_kw: Any
+                           ) -> tuple[Claim | Skip | Done | LeaseHeld, BaseException | None]:
+        """Claim (as :meth:`claim`, ``claim_kw``), run ``work(claim)`` and complete (as
+        :meth:`complete`, with the keyword arguments ``work`` returns) in ONE transaction,
+        the job row locked throughout: for short, pure stages (no call leaves the process).
+
+        When ``work`` raises, the claim alone commits and ``(claim, exception)`` is returned:
+        the caller ends the run as after a two-transaction claim (fail, release, cancel), so
+        failure paths do not change. A crash during ``work`` rolls the claim back: the
+        redelivered event claims again. Returns ``(claim result, None)`` otherwise (the run
+        completed when the result is a :class:`Claim`). Raises :class:`StaleRun` like
+        :meth:`complete` (not expected: the lock is held).
+        """
+        try:
+            with self.tx() as conn:
+                got = self._claim_in(conn, **claim_kw)
+                if not isinstance(got, Claim):
+                    return got, None
+                try:
+                    done = work(got)
+                except Exception as exc:  # noqa: BLE001 - handed back, the claim commits
+                    return got, exc
+                self._complete_in(conn, got, locked=True, **done)
+                return got, None
+        except PoisonMessage as exc:
+            # Postgres refused the completion's data (invalid_data): the claim rolled back with
+            # it. Claim again, alone, so the run ends like a two-transaction one (job failed).
+            return self.claim(**claim_kw), exc
+
+    def _claim_in(self, conn: psycopg.Connection, *, job_id: uuid.UUID, stage: str, group: str,
+                  dedup_key: str, event_type: str, event_id: uuid.UUID, lease_s: float,
+                  code_version: str, generation: int = 0, reads: tuple[str, ...] = ()
+                  ) -> Claim | Skip | Done | LeaseHeld:
+        row = conn.execute(Q["get_job_for_update"], (job_id,)).fetchone()
+        if row is None:
+            return Skip("unknown_job")
+        job = typed_row(JobRow, row)
+        if generation < job.generation:
+            return Skip("superseded")
+        if conn.execute(Q["is_processed"], (group, dedup_key, event_type)).fetchone():
+            return Skip("duplicate")
+        if job.status in (*TERMINAL, "needs_reconciliation") or job.cancel_requested:
+            if job.cancel_requested:
+                conn.execute(Q["cancel_job"], (job_id,))
+            conn.execute(Q["record_processed"], (group, dedup_key, event_type, event_id,
+                                                 job_id))
+            return Skip("cancelled" if job.cancel_requested else "terminal")
+        got = conn.execute(Q["claim_stage"], {"job_id": job_id, "stage": stage,
+                                              "run_token": uuid.uuid4(), "lease_s": lease_s,
+                                              "code_version": code_version}).fetchone()
+        if got is None:
+            cur = conn.execute(Q["get_stage"], (job_id, stage)).fetchone()
+            assert cur is not None
+            if cur["status"] == "succeeded":
+                return Done(job, cur["emitted"])
+            if cur["status"] in ("failed", "needs_reconciliation"):
+                return Skip("terminal")
+            return LeaseHeld(cur["lease_until"])
+        if got["attempt"] > 1:  # a takeover or a re-run: earlier runs may have left attempts
+            conn.execute(Q["close_orphan_attempts"], {"job_id": job_id, "stage": stage})
+        return Claim(job, stage, got["run_token"], got["attempt"], got["lease_until"],
+                     self._read_inputs(conn, job, stage, reads))
+
+    @staticmethod
+    def _read_inputs(conn: psycopg.Connection, job: JobRow, stage: str,
+                     reads: tuple[str, ...]) -> StageInputs:
+        """The :class:`StageInputs` named by ``reads`` (see :meth:`claim`)."""
+        if not reads:
+            return StageInputs()
+        kw: dict[str, Any] = {}
+        for what in reads:
+            if what == "document":
+                doc = conn.execute(Q["get_document"], (job.tenant_id,
+                                                       job.document_sha256)).fetchone()
+                kw["document"] = None if doc is None else bytes(doc["content"])
+            elif what.startswith("output:"):
+                row = conn.execute(Q["get_stage"], (job.job_id, what[7:])).fetchone()
+                kw["previous_output"] = (row["output"] if row and row["status"] == "succeeded"
+                                         else None)
+            elif what == "chunks":
+                kw["chunks"] = tuple(typed_row(ChunkRow, r) for r in conn.execute(
+                    Q["list_chunks"], (job.job_id,)))
+            elif what == "budget":
+                budget = conn.execute(Q["job_provider_budget"], {
+                    "job_id": job.job_id, "stage": stage}).fetchone()
+                assert budget is not None
+                kw["chunk_attempts"] = {int(k): int(v) for k, v in
+                                        (budget["attempts"] or {}).items()}
+                kw["job_provider_cost_usd"] = float(budget["cost_usd"])
+                kw["stage_provider_cost_usd"] = float(budget["stage_cost_usd"])
+                kw["stage_provider_attempts"] = int(budget["stage_attempts"])
+            else:
+                raise ValueError(f"unknown stage read {what!r}")
+        return StageInputs(**kw)
+
+    def reemit(self, *, job: JobRow, group: str, event_type: str,
                event_id: uuid.UUID, next_msg: OutboxMessage, final: bool) -> bool:
         """Re-emit a finished stage's event and record the input event as processed, in ONE
         transaction; ``final`` (the ``published`` stage) also closes the job as succeeded.
         Returns False (writing nothing) if another delivery got there first."""
         with self.tx() as conn:
-            if conn.execute(Q["record_processed"], (group, job["dedup_key"], event_type,
-                                                    event_id, job["job_id"])).fetchone() is None:
+            if conn.execute(Q["record_processed"], (group, job.dedup_key, event_type,
+                                                    event_id, job.job_id)).fetchone() is None:
                 return False
             if final:
-                conn.execute(Q["succeed_job"], (job["charge_usd"], job["job_id"]))
+                conn.execute(Q["succeed_job"], (job.charge_usd, job.job_id))
             self.add_outbox(conn, next_msg)
             return True
 
@@ -372,19 +547,19 @@ class Store:
         :class:`StaleRun` if the run was fenced (taken over, or the job re-driven)."""
         with self.tx() as conn:
             row = conn.execute(Q["renew_lease"], {
-                "lease_s": lease_s, "job_id": claim.job["job_id"], "stage": claim.stage,
+                "lease_s": lease_s, "job_id": claim.job.job_id, "stage": claim.stage,
                 "run_token": claim.run_token, "generation": claim.generation}).fetchone()
         if row is None:
-            raise StaleRun(f"stage {claim.stage} of job {claim.job['job_id']} has a newer run")
+            raise StaleRun(f"stage {claim.stage} of job {claim.job.job_id} has a newer run")
 
     @staticmethod
     def _fence(conn: psycopg.Connection, claim: Claim) -> None:
         """Lock the job row and check the run's generation (the run token is checked by the
         fenced UPDATE that follows). Raises :class:`StaleRun` when a redrive started a newer
         generation: the caller's transaction then writes nothing."""
-        row = conn.execute(Q["job_generation_for_update"], (claim.job["job_id"],)).fetchone()
+        row = conn.execute(Q["job_generation_for_update"], (claim.job.job_id,)).fetchone()
         if row is None or row["generation"] != claim.generation:
-            raise StaleRun(f"stage {claim.stage} of job {claim.job['job_id']}: run "
+            raise StaleRun(f"stage {claim.stage} of job {claim.job.job_id}: run "
                            f"{claim.run_token} of generation {claim.generation} was fenced off "
                            "by a redrive; result discarded")
 
@@ -392,45 +567,77 @@ class Store:
                  cost_usd: float, group: str, event_type: str, event_id: uuid.UUID,
                  next_msg: OutboxMessage,
                  chunks: list[tuple[int, int, int, str, str]] | None = None,
-                 charge_usd: float | None = None, later_stages: tuple[str, ...] = ()) -> None:
+                 charge_usd: float | None = None, later_stages: tuple[str, ...] = (),
+                 local_answers: tuple[LocalAnswer, ...] = ()) -> None:
         """Finish a stage run in ONE transaction: fenced checkpoint, stage side rows (chunks),
         job progress, the next event's outbox row and the idempotent-consumer row.
 
         A stage that really ran invalidates ``later_stages`` (reset to pending): their inputs
-        may have changed. Raises :class:`StaleRun` (and writes nothing) when the run token no
+        may have changed. ``local_answers``: chunks answered in-process (no remote provider),
+        recorded here as ``succeeded`` attempts with the chunks' outputs (fenced like the
+        checkpoint). Raises :class:`StaleRun` (and writes nothing) when the run token no
         longer owns the stage.
         """
-        job_id = claim.job["job_id"]
-        emitted = json.loads(next_msg.value)["payload"]
         with self.tx() as conn:
+            self._complete_in(conn, claim, output=output, input_hash=input_hash,
+                              code_version=code_version, cost_usd=cost_usd, group=group,
+                              event_type=event_type, event_id=event_id, next_msg=next_msg,
+                              chunks=chunks, charge_usd=charge_usd, later_stages=later_stages,
+                              local_answers=local_answers)
+
+    def _complete_in(self, conn: psycopg.Connection, claim: Claim, *, output: Any,
+                     input_hash: str, code_version: str, cost_usd: float, group: str,
+                     event_type: str, event_id: uuid.UUID, next_msg: OutboxMessage,
+                     chunks: list[tuple[int, int, int, str, str]] | None = None,
+                     charge_usd: float | None = None, later_stages: tuple[str, ...] = (),
+                     local_answers: tuple[LocalAnswer, ...] = (), locked: bool = False
+                     ) -> None:
+        """:meth:`complete` in the caller's transaction; ``locked``: the caller claimed in
+        this transaction (the job row is locked and its generation read under the lock)."""
+        job_id = claim.job.job_id
+        emitted = json.loads(next_msg.value)["payload"]
+        if not locked:
             self._fence(conn, claim)
-            cur = conn.execute(Q["complete_stage"], {
-                "output": Jsonb(output), "input_hash": input_hash, "code_version": code_version,
-                "cost_usd": cost_usd, "job_id": job_id, "stage": claim.stage,
-                "run_token": claim.run_token, "emitted": Jsonb(emitted)})
-            if cur.rowcount != 1:
+        fence = {"job_id": job_id, "stage": claim.stage, "run_token": claim.run_token,
+                 "generation": claim.generation}
+        for a in local_answers:
+            row = conn.execute(Q["insert_succeeded_attempt"], {
+                **fence, "chunk_idx": a.idx, "attempt": a.attempt,
+                "model_profile": claim.job.model_profile, "model": a.model,
+                "latency_ms": a.latency_ms, "prompt_tokens": a.prompt_tokens,
+                "completion_tokens": a.completion_tokens, "cost_usd": a.cost_usd}).fetchone()
+            if row is None or conn.execute(Q["save_chunk_output"], {
+                    **fence, "output": Jsonb(a.output), "attempt_id": row["attempt_id"],
+                    "idx": a.idx}).rowcount != 1:
                 raise StaleRun(f"stage {claim.stage} of job {job_id}: run {claim.run_token} "
-                               "was fenced off; result discarded")
-            if later_stages:
-                conn.execute(Q["reset_later_stages"], (job_id, list(later_stages)))
-            if chunks is not None:
+                               "was fenced off (or the chunk answered meanwhile); result "
+                               "discarded")
+        cur = conn.execute(Q["complete_stage"], {
+            "output": Jsonb(output), "input_hash": input_hash, "code_version": code_version,
+            "cost_usd": cost_usd, "job_id": job_id, "stage": claim.stage,
+            "run_token": claim.run_token, "emitted": Jsonb(emitted)})
+        if cur.rowcount != 1:
+            raise StaleRun(f"stage {claim.stage} of job {job_id}: run {claim.run_token} "
+                           "was fenced off; result discarded")
+        if later_stages:
+            conn.execute(Q["reset_later_stages"], (job_id, list(later_stages)))
+        if chunks is not None:
+            if claim.attempt > 1:  # a re-run replaces the chunks of an earlier one
                 conn.execute(Q["delete_chunks"], (job_id,))
-                with conn.cursor() as c:
-                    c.executemany(Q["insert_chunk"], [(job_id, *ch) for ch in chunks])
-            if charge_usd is not None:
-                conn.execute(Q["advance_job"], (claim.stage, cost_usd, job_id))
-                conn.execute(Q["succeed_job"], (charge_usd, job_id))
-            else:
-                conn.execute(Q["advance_job"], (claim.stage, cost_usd, job_id))
-            self.add_outbox(conn, next_msg)
-            conn.execute(Q["record_processed"], (group, claim.job["dedup_key"], event_type,
-                                                 event_id, job_id))
+            with conn.cursor() as c:
+                c.executemany(Q["insert_chunk"], [(job_id, *ch) for ch in chunks])
+        conn.execute(Q["advance_job"], (claim.stage, cost_usd, job_id))
+        if charge_usd is not None:
+            conn.execute(Q["succeed_job"], (charge_usd, job_id))
+        self.add_outbox(conn, next_msg)
+        conn.execute(Q["record_processed"], (group, claim.job.dedup_key, event_type,
+                                             event_id, job_id))
 
     def fail(self, claim: Claim, *, error_code: str, error: str, group: str, event_type: str,
              event_id: uuid.UUID, failed_msg: OutboxMessage) -> None:
         """Fail the stage and the job in ONE transaction (fenced) with a ``job.failed`` outbox
         row. Raises :class:`StaleRun` when the run was fenced off."""
-        job_id = claim.job["job_id"]
+        job_id = claim.job.job_id
         with self.tx() as conn:
             self._fence(conn, claim)
             cur = conn.execute(Q["fail_stage"], {"error_code": error_code, "error": error[:4000],
@@ -440,7 +647,7 @@ class Store:
                 raise StaleRun(f"stage {claim.stage} of job {job_id} has a newer run")
             conn.execute(Q["fail_job"], (error_code, error[:4000], job_id))
             self.add_outbox(conn, failed_msg)
-            conn.execute(Q["record_processed"], (group, claim.job["dedup_key"], event_type,
+            conn.execute(Q["record_processed"], (group, claim.job.dedup_key, event_type,
                                                  event_id, job_id))
 
     def release(self, claim: Claim, *, error_code: str, error: str) -> None:
@@ -451,7 +658,7 @@ class Store:
             except StaleRun:
                 return
             conn.execute(Q["release_stage"], {"error_code": error_code, "error": error[:4000],
-                                              "job_id": claim.job["job_id"],
+                                              "job_id": claim.job.job_id,
                                               "stage": claim.stage,
                                               "run_token": claim.run_token})
 
@@ -497,7 +704,7 @@ class Store:
         """End a run stopped by the user's cancel (ONE fenced transaction): stage failed
         ``cancelled_by_user``, job ``cancelled``, event recorded as processed.
         Raises :class:`StaleRun` when the run was fenced off."""
-        job_id = claim.job["job_id"]
+        job_id = claim.job.job_id
         with self.tx() as conn:
             self._fence(conn, claim)
             cur = conn.execute(Q["cancel_stage"], (job_id, claim.stage, claim.run_token,
@@ -505,7 +712,7 @@ class Store:
             if cur.rowcount != 1:
                 raise StaleRun(f"stage {claim.stage} of job {job_id} has a newer run")
             conn.execute(Q["cancel_job"], (job_id,))
-            conn.execute(Q["record_processed"], (group, claim.job["dedup_key"], event_type,
+            conn.execute(Q["record_processed"], (group, claim.job.dedup_key, event_type,
                                                  event_id, job_id))
 
     def park(self, claim: Claim, *, error_code: str, error: str, group: str, event_type: str,
@@ -513,7 +720,7 @@ class Store:
         """Park the stage and the job in ``needs_reconciliation`` (ONE fenced transaction): a
         provider call's outcome is unknown and the lane's policy is not to guess.
         Raises :class:`StaleRun` when the run was fenced off."""
-        job_id = claim.job["job_id"]
+        job_id = claim.job.job_id
         with self.tx() as conn:
             self._fence(conn, claim)
             cur = conn.execute(Q["park_stage"], {"error_code": error_code, "error": error[:4000],
@@ -522,7 +729,7 @@ class Store:
             if cur.rowcount != 1:
                 raise StaleRun(f"stage {claim.stage} of job {job_id} has a newer run")
             conn.execute(Q["park_job"], (error_code, error[:4000], job_id))
-            conn.execute(Q["record_processed"], (group, claim.job["dedup_key"], event_type,
+            conn.execute(Q["record_processed"], (group, claim.job.dedup_key, event_type,
                                                  event_id, job_id))
 
     def redrive(self, job_id: uuid.UUID, *, plan: Any, allowed: tuple[str, ...],
@@ -674,15 +881,15 @@ class Store:
         with self.tx() as conn:
             row = conn.execute(Q["start_provider_attempt"], {
                 "stage": claim.stage, "chunk_idx": chunk_idx, "attempt": attempt,
-                "run_token": claim.run_token, "model_profile": claim.job["model_profile"],
-                "model": model, "est_cost_usd": est_cost_usd, "job_id": claim.job["job_id"],
+                "run_token": claim.run_token, "model_profile": claim.job.model_profile,
+                "model": model, "est_cost_usd": est_cost_usd, "job_id": claim.job.job_id,
                 "generation": claim.generation}).fetchone()
             if row:
                 return int(row["attempt_id"])
-            cancel = conn.execute(Q["cancel_requested"], (claim.job["job_id"],)).fetchone()
+            cancel = conn.execute(Q["cancel_requested"], (claim.job.job_id,)).fetchone()
         if cancel and cancel["cancel_requested"]:
             return None
-        raise StaleRun(f"stage {claim.stage} of job {claim.job['job_id']}: run "
+        raise StaleRun(f"stage {claim.stage} of job {claim.job.job_id}: run "
                        f"{claim.run_token} was fenced off before its provider call")
 
     def finish_attempt(self, attempt_id: int, *, outcome: str, status_code: int | None = None,
@@ -724,7 +931,7 @@ class Store:
         :class:`StaleRun` is raised. When the run still owns the stage but the chunk was
         answered meanwhile (a paused run's transaction committed late) the answer is
         ``discarded`` too and the run goes on with the saved output."""
-        fence = {"job_id": claim.job["job_id"], "stage": claim.stage,
+        fence = {"job_id": claim.job.job_id, "stage": claim.stage,
                  "run_token": claim.run_token, "generation": claim.generation}
         with self.tx() as conn:
             cur = conn.execute(Q["save_chunk_output"], {
@@ -739,7 +946,7 @@ class Store:
                                              else "answer of a fenced run: discarded"),
                 "attempt_id": attempt_id})
         if not owner:
-            raise StaleRun(f"LLM stage of job {claim.job['job_id']} has a newer run")
+            raise StaleRun(f"LLM stage of job {claim.job.job_id} has a newer run")
 
     # ------------------------------------------------------------------ metrics
 

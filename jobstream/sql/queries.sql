@@ -152,6 +152,36 @@ SET LOCAL lock_timeout = '2s';
 -- name: count_sweep
 UPDATE job SET sweeps = sweeps + 1, swept_at = now() WHERE job_id = %s;
 
+-- name: job_provider_budget
+-- The LLM stage's budget, read in its claim transaction: the stage's provider attempts per
+-- chunk index (all runs and retry rounds: a jsonb object {"idx": n}), the stage's attempts
+-- and cost, and the job's provider cost (USD, every stage).
+SELECT coalesce(jsonb_object_agg(a.chunk_idx, a.n) FILTER (WHERE a.chunk_idx IS NOT NULL
+                                                           AND a.n > 0), '{}'::jsonb)
+           AS attempts,
+       coalesce(sum(a.n), 0)::int AS stage_attempts,
+       coalesce(sum(a.stage_cost), 0)::float8 AS stage_cost_usd,
+       coalesce(sum(a.cost), 0)::float8 AS cost_usd
+  FROM (SELECT chunk_idx, count(*) FILTER (WHERE stage = %(stage)s) AS n,
+               coalesce(sum(cost_usd) FILTER (WHERE stage = %(stage)s), 0) AS stage_cost,
+               sum(cost_usd) AS cost
+          FROM provider_attempt WHERE job_id = %(job_id)s GROUP BY chunk_idx) a;
+
+-- name: insert_succeeded_attempt
+-- A chunk answered in-process (no remote provider), recorded with the stage's completion:
+-- fenced by run token and generation like the checkpoint (no row back: fenced off).
+INSERT INTO provider_attempt (job_id, stage, chunk_idx, attempt, run_token, model_profile, model,
+                              outcome, latency_ms, prompt_tokens, completion_tokens, cost_usd,
+                              finished_at)
+SELECT j.job_id, %(stage)s, %(chunk_idx)s, %(attempt)s, %(run_token)s, %(model_profile)s,
+       %(model)s, 'succeeded', %(latency_ms)s, %(prompt_tokens)s, %(completion_tokens)s,
+       %(cost_usd)s, now()
+  FROM job j
+ WHERE j.job_id = %(job_id)s AND j.generation = %(generation)s
+   AND EXISTS (SELECT 1 FROM job_stage s WHERE s.job_id = j.job_id AND s.stage = %(stage)s
+                AND s.run_token = %(run_token)s AND s.status = 'running')
+RETURNING attempt_id;
+
 -- name: complete_stage
 -- Fenced completion: zero rows means a newer run owns the stage; its caller rolls back.
 UPDATE job_stage

@@ -283,6 +283,14 @@ class Settings(BaseSettings):
         30.0, gt=0, description="Longest wait for a pooled connection before the operation "
                                 "fails as retryable (seconds)."
     )
+    db_pool_check_idle_s: float = Field(
+        1.0, ge=0, description="A pooled connection is checked (one empty round trip) before "
+                               "it is handed out only when it sat idle longer than this "
+                               "(seconds; 0: always). A busy process reuses connections "
+                               "within milliseconds: checking each would cost a round trip "
+                               "and a Postgres transaction per store call; one that broke "
+                               "while in use fails its operation as retryable."
+    )
     health_port: int = Field(
         0, ge=0, le=65535, description="Serve GET /healthz (readiness) on this port in worker, "
                                        "relay and consume-ready (0: off; the API uses its own).")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -97,19 +98,34 @@ class ChunkRow:
     text_sha256: str
     llm_output: Any = None
 
+    def __getitem__(self, name: str) -> Any:
+        """Transitional (until the stage bodies move to streams/ and read attributes)."""
+        return getattr(self, name)
+
+
+@dataclass(frozen=True)
+class ProviderBudget:
+    """What a job's provider budget has used so far: the stage's attempts per chunk index (all
+    runs and retry rounds), the stage's attempts and cost, and the job's cost (USD, every
+    stage)."""
+
+    chunk_attempts: dict[int, int]
+    stage_attempts: int
+    stage_cost_usd: float
+    job_cost_usd: float
+
 
 @dataclass(frozen=True)
 class StageInputs:
     """What a stage reads, fetched in its claim transaction (see :meth:`Store.claim`'s
-    ``reads``): the document's bytes (``document``), the previous checkpoint's output
-    (``previous_output``), the job's chunks, and for the LLM stage's budget the provider
-    attempts per chunk index (all runs) and the job's provider cost so far (USD)."""
+    ``reads``); ``None`` where not read (or not there): the document's bytes (``document``),
+    the previous checkpoint's output (``output:<stage>``), the job's chunks (``chunks``), the
+    provider budget used so far (``budget``)."""
 
     document: bytes | None = None
     previous_output: Any = None
-    chunks: tuple[ChunkRow, ...] = ()
-    chunk_attempts: dict[int, int] = field(default_factory=dict)
-    job_provider_cost_usd: float = 0.0
+    chunks: tuple[ChunkRow, ...] | None = None
+    budget: ProviderBudget | None = None
 
 
 @dataclass(frozen=True)
@@ -213,18 +229,27 @@ class Store:
 
     def __init__(self, url: str, *, max_size: int = 8, min_size: int = 0,
                  max_idle_s: float = 30.0, timeout_s: float = 30.0,
-                 name: str = "jobstream") -> None:
+                 name: str = "jobstream", check_idle_s: float = 1.0) -> None:
         """A pool of at most ``max_size`` connections (``min_size`` kept open; one idle for
         ``max_idle_s`` seconds is closed, so an idle process gives its connections back);
         callers wait up to ``timeout_s`` seconds for one. ``name`` is the connections'
-        ``application_name`` (pg_stat_activity shows who holds what)."""
+        ``application_name`` (pg_stat_activity shows who holds what). A connection idle for
+        more than ``check_idle_s`` seconds is checked (an empty query) before it is handed
+        out; one reused sooner is not (see ``db_pool_check_idle_s``)."""
         self.url = url
         self.timeout_s = timeout_s
+        self.check_idle_s = check_idle_s
+        self._last_used: dict[int, float] = {}
         self.pool = ConnectionPool(url, min_size=min_size, max_size=max_size,
                                    max_idle=max_idle_s, open=True,
                                    kwargs={"row_factory": dict_row, "connect_timeout": 10,
                                            "application_name": name},
-                                   check=ConnectionPool.check_connection)
+                                   check=self._check)
+
+    def _check(self, conn: psycopg.Connection) -> None:
+        """The pool's check on hand-out: only for a connection idle over ``check_idle_s``."""
+        if time.monotonic() - self._last_used.get(id(conn), 0.0) > self.check_idle_s:
+            ConnectionPool.check_connection(conn)
 
     @classmethod
     def for_process(cls, settings: Any, process: str, max_size: int) -> Store:
@@ -233,7 +258,7 @@ class Store:
         return cls(settings.database_url, max_size=max_size,
                    min_size=min(settings.db_pool_min_size, max_size),
                    max_idle_s=settings.db_pool_max_idle_s, timeout_s=settings.db_pool_timeout_s,
-                   name=f"jobstream-{process}")
+                   name=f"jobstream-{process}", check_idle_s=settings.db_pool_check_idle_s)
 
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection]:
@@ -243,7 +268,10 @@ class Store:
         try:
             with self.pool.connection(timeout=self.timeout_s) as conn:
                 health.ok()
-                yield conn
+                try:
+                    yield conn
+                finally:
+                    self._last_used[id(conn)] = time.monotonic()
         except psycopg.OperationalError as exc:
             if not isinstance(exc, psycopg.errors.QueryCanceled):  # a timeout is not an outage
                 health.failed(exc)
@@ -496,6 +524,21 @@ class Store:
         return Claim(job, stage, got["run_token"], got["attempt"], got["lease_until"],
                      self._read_inputs(conn, job, stage, reads))
 
+    def provider_budget(self, job_id: uuid.UUID, stage: str) -> ProviderBudget:
+        """What the job's provider budget has used so far (:class:`ProviderBudget`)."""
+        with self.tx() as conn:
+            return self._budget_in(conn, job_id, stage)
+
+    @staticmethod
+    def _budget_in(conn: psycopg.Connection, job_id: uuid.UUID, stage: str) -> ProviderBudget:
+        row = conn.execute(Q["job_provider_budget"], {"job_id": job_id, "stage": stage}
+                           ).fetchone()
+        assert row is not None
+        return ProviderBudget(
+            chunk_attempts={int(k): int(v) for k, v in (row["attempts"] or {}).items()},
+            stage_attempts=int(row["stage_attempts"]), stage_cost_usd=float(row["stage_cost_usd"]),
+            job_cost_usd=float(row["cost_usd"]))
+
     @staticmethod
     def _read_inputs(conn: psycopg.Connection, job: JobRow, stage: str,
                      reads: tuple[str, ...]) -> StageInputs:
@@ -516,14 +559,7 @@ class Store:
                 kw["chunks"] = tuple(typed_row(ChunkRow, r) for r in conn.execute(
                     Q["list_chunks"], (job.job_id,)))
             elif what == "budget":
-                budget = conn.execute(Q["job_provider_budget"], {
-                    "job_id": job.job_id, "stage": stage}).fetchone()
-                assert budget is not None
-                kw["chunk_attempts"] = {int(k): int(v) for k, v in
-                                        (budget["attempts"] or {}).items()}
-                kw["job_provider_cost_usd"] = float(budget["cost_usd"])
-                kw["stage_provider_cost_usd"] = float(budget["stage_cost_usd"])
-                kw["stage_provider_attempts"] = int(budget["stage_attempts"])
+                kw["budget"] = Store._budget_in(conn, job.job_id, stage)
             else:
                 raise ValueError(f"unknown stage read {what!r}")
         return StageInputs(**kw)
@@ -859,10 +895,10 @@ class Store:
             raise KeyError(f"document {sha256} of tenant {tenant_id} not stored")
         return bytes(row["content"]), row["content_type"]
 
-    def chunks(self, job_id: uuid.UUID) -> list[dict[str, Any]]:
-        """The job's chunks in order: ``idx``, ``text``, ``text_sha256``, ``llm_output``."""
+    def chunks(self, job_id: uuid.UUID) -> list[ChunkRow]:
+        """The job's chunks in order (:class:`ChunkRow`)."""
         with self.tx() as conn:
-            return list(conn.execute(Q["list_chunks"], (job_id,)))
+            return [typed_row(ChunkRow, r) for r in conn.execute(Q["list_chunks"], (job_id,))]
 
     def job(self, job_id: uuid.UUID) -> dict[str, Any] | None:
         """The job row, or ``None``."""

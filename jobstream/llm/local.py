@@ -98,12 +98,11 @@ def analyse(text: str, max_keywords: int = 8, max_sentences: int = 2) -> dict[st
     freq = Counter(w for w in words(text) if _significant(w))
     keywords = [w for w, _ in sorted(freq.items(), key=lambda kv: (-kv[1], kv[0]))[:max_keywords]]
     flat = " ".join(text.split())
-    candidates = [s for s in sentences(flat) if len(words(s)) >= 4]
-
-    def score(s: str) -> float:
-        ws = words(s)
-        return sum(freq[w] for w in ws if w in freq) / (len(ws) + 5)
-    top = sorted(range(len(candidates)), key=lambda i: (-score(candidates[i]), i))[:max_sentences]
+    # Each sentence's words once (they were computed twice: for the filter and the score).
+    scored = [(s, ws) for s in sentences(flat) if len(ws := words(s)) >= 4]
+    candidates = [s for s, _ in scored]
+    scores = [sum(freq[w] for w in ws if w in freq) / (len(ws) + 5) for _, ws in scored]
+    top = sorted(range(len(candidates)), key=lambda i: (-scores[i], i))[:max_sentences]
     summary = " ".join(candidates[i][:400] for i in sorted(top)) or flat[:400]
     first_line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
     fields: dict[str, Any] = {}

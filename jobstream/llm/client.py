@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 from jobstream.errors import JobstreamError, OutcomeUnknown, PermanentError, RetryableError
-from jobstream.llm.local import LocalModelTransport
+from jobstream.llm.local import LocalModelTransport, chat_completion
 from jobstream.llm.profiles import ModelProfile
 
 
@@ -140,6 +140,11 @@ class ProviderClient:
         }
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         started = time.perf_counter()
+        if self._local and http is self._http:
+            # The in-process model: the same answer as through its httpx transport, without
+            # building and parsing an HTTP exchange (a fifth of a local call's CPU).
+            data = chat_completion(body, self.model)
+            return self._parse(data, 200, (time.perf_counter() - started) * 1000)
         try:
             resp = http.post("/chat/completions", json=body, headers=headers)
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
@@ -161,6 +166,16 @@ class ProviderClient:
                                  code=f"http_{status}")
         try:
             data = resp.json()
+        except ValueError as exc:
+            raise PermanentError(f"malformed provider answer: {exc!r}",
+                                 code="malformed_answer") from None
+        return self._parse(data, status, latency_ms)
+
+    @staticmethod
+    def _parse(data: Any, status: int, latency_ms: float) -> Completion:
+        """The :class:`Completion` of a chat-completions answer body. Raises
+        :class:`PermanentError` (refused content, malformed answer)."""
+        try:
             choice = data["choices"][0]
             if choice.get("finish_reason") == "content_filter":
                 raise PermanentError("provider refused the content", code="content_refused")

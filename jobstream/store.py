@@ -494,13 +494,15 @@ class Store:
                   dedup_key: str, event_type: str, event_id: uuid.UUID, lease_s: float,
                   code_version: str, generation: int = 0, reads: tuple[str, ...] = ()
                   ) -> Claim | Skip | Done | LeaseHeld:
-        row = conn.execute(Q["get_job_for_update"], (job_id,)).fetchone()
+        row = conn.execute(Q["claim_job_for_update"], {
+            "job_id": job_id, "group": group, "dedup_key": dedup_key,
+            "event_type": event_type}).fetchone()
         if row is None:
             return Skip("unknown_job")
         job = typed_row(JobRow, row)
         if generation < job.generation:
             return Skip("superseded")
-        if conn.execute(Q["is_processed"], (group, dedup_key, event_type)).fetchone():
+        if row["processed"]:
             return Skip("duplicate")
         if job.status in (*TERMINAL, "needs_reconciliation") or job.cancel_requested:
             if job.cancel_requested:
@@ -655,7 +657,7 @@ class Store:
         if cur.rowcount != 1:
             raise StaleRun(f"stage {claim.stage} of job {job_id}: run {claim.run_token} "
                            "was fenced off; result discarded")
-        if later_stages:
+        if later_stages and claim.attempt > 1:  # a first run has no later checkpoints yet
             conn.execute(Q["reset_later_stages"], (job_id, list(later_stages)))
         if chunks is not None:
             if claim.attempt > 1:  # a re-run replaces the chunks of an earlier one

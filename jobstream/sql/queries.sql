@@ -152,6 +152,14 @@ SET LOCAL lock_timeout = '2s';
 -- name: count_sweep
 UPDATE job SET sweeps = sweeps + 1, swept_at = now() WHERE job_id = %s;
 
+-- name: claim_job_for_update
+-- The claim's first read: the job row locked, and whether the idempotent consumer already
+-- processed this event (``processed``), in one round trip.
+SELECT j.*, EXISTS (SELECT 1 FROM processed_event p
+                     WHERE p.consumer_group = %(group)s AND p.dedup_key = %(dedup_key)s
+                       AND p.event_type = %(event_type)s) AS processed
+  FROM job j WHERE j.job_id = %(job_id)s FOR UPDATE OF j;
+
 -- name: job_provider_budget
 -- The LLM stage's budget, read in its claim transaction: the stage's provider attempts per
 -- chunk index (all runs and retry rounds: a jsonb object {"idx": n}), the stage's attempts

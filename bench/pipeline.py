@@ -126,16 +126,16 @@ def wait_applied(url: str, tenant: str, n: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     with connect(url, autocommit=True) as conn:
         while time.monotonic() < deadline:
-            row = conn.execute("SELECT count(*) AS n FROM downstream.document_analysis "
-                               "WHERE tenant_id = %s", (tenant,)).fetchone()
+            # One statement per poll: each counts one transaction of the run's database.
+            row = conn.execute(
+                "SELECT (SELECT count(*) FROM downstream.document_analysis WHERE tenant_id = "
+                "%s) AS n, (SELECT count(*) FROM job WHERE tenant_id = %s AND status = "
+                "'failed') AS failed", (tenant, tenant)).fetchone()
             assert row is not None
             if row["n"] >= n:
                 return
-            failed = conn.execute("SELECT count(*) AS n FROM job WHERE tenant_id = %s AND "
-                                  "status = 'failed'", (tenant,)).fetchone()
-            assert failed is not None
-            if failed["n"]:
-                raise RuntimeError(f"{failed['n']} jobs of {tenant} failed")
+            if row["failed"]:
+                raise RuntimeError(f"{row['failed']} jobs of {tenant} failed")
             time.sleep(0.1)
     raise TimeoutError(f"not all {n} jobs of {tenant} applied after {timeout_s}s")
 

@@ -104,6 +104,12 @@ class Settings(BaseSettings):
         description="Override a stage's code version (e.g. {\"validated\": \"validate-2\"}) to "
                     "make redrives recompute it and the stages after it.",
     )
+    stage_one_transaction: bool = Field(
+        True,
+        description="Short pure stages (extract of text/plain, chunk, validate, publish) claim, "
+                    "work and complete in ONE transaction under the job's row lock instead of "
+                    "a claim transaction and a completion transaction (bench/README.md).",
+    )
     max_stage_attempts: int = Field(
         5, ge=1, description="Runs of one stage before the sweeper fails a stuck job."
     )

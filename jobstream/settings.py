@@ -101,7 +101,7 @@ class Settings(BaseSettings):
     )
     stage_code_versions: dict[str, str] = Field(
         default_factory=dict,
-        description="Override a stage's code version (e.g. {\"validated\": \"validate-2\"}) to "
+        description="Override a stage's code version (e.g. {\"validate\": \"validate-2\"}) to "
                     "make redrives recompute it and the stages after it.",
     )
     max_stage_attempts: int = Field(

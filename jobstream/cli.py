@@ -37,7 +37,7 @@ def redrive_stage_choices(pipeline: Pipeline = PIPELINE) -> tuple[str, ...]:
     return tuple(s.name for s in pipeline.job_stages)
 
 
-class StageName(click.Choice):  # type: ignore[type-arg]
+class StageName(click.Choice[str]):
     """A stage name among ``choices``; a checkpoint name from before migration 0019
     (``text_extracted``, ``llm_done``...) is still accepted, with a deprecation message."""
 

@@ -9,6 +9,7 @@ two connection settings also accept the conventional ``DATABASE_URL`` and
 from __future__ import annotations
 
 import json
+import logging
 from functools import lru_cache
 from typing import Any, Literal
 
@@ -353,6 +354,25 @@ class Settings(BaseSettings):
                 "lease every heartbeat; a lease shorter than three heartbeats expires under a "
                 "live run and the stage is taken over). Raise the lease or shorten the "
                 "heartbeat.")
+        return self
+
+    @model_validator(mode="after")
+    def _known_stage_code_versions(self) -> Settings:
+        """``stage_code_versions`` names stages of the pipeline; a name from before migration
+        0019 (``validated``...) is mapped to the stage's name with a warning."""
+        from schemas.pipeline import OLD_NAMES, PIPELINE
+        versions = {}
+        for name, version in self.stage_code_versions.items():
+            if name in OLD_NAMES:
+                logging.getLogger("jobstream.settings").warning(
+                    "JOBSTREAM_STAGE_CODE_VERSIONS: stage name %r is deprecated; use %r",
+                    name, OLD_NAMES[name])
+                name = OLD_NAMES[name]
+            if name not in PIPELINE.names:
+                raise ValueError(f"JOBSTREAM_STAGE_CODE_VERSIONS names an unknown stage "
+                                 f"{name!r}; stages: {', '.join(PIPELINE.names)}")
+            versions[name] = version
+        self.stage_code_versions = versions
         return self
 
     @property

@@ -18,7 +18,7 @@ import importlib
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import psycopg
 
@@ -49,7 +49,8 @@ log = logging.getLogger("jobstream.streams")
 def work_of(stage: str) -> Callable[[StageContext, Claim, Any], StageResult]:
     """The work function of ``stage``: ``streams.<stage>.work(ctx, claim, event)``. Raises
     ``ModuleNotFoundError`` / ``AttributeError`` for a stage without a module."""
-    return importlib.import_module(f"streams.{stage}").work  # type: ignore[no-any-return]
+    work = importlib.import_module(f"streams.{stage}").work
+    return cast(Callable[[StageContext, Claim, Any], StageResult], work)
 
 
 def register_stage(app: faust.App, ctx: StageContext, stage: Stage, *, lane: str | None = None,

@@ -259,7 +259,13 @@ class Settings(BaseSettings):
     metrics_consumer_groups: list[str] = Field(
         default_factory=list,
         description="Metrics: more consumer groups (full names) to report lag for, besides "
-                    "the prefixed jobstream-* groups and the downstream applier (JSON list).",
+                    "the prefixed jobstream-* groups and metrics_downstream_groups (JSON list).",
+    )
+    metrics_downstream_groups: list[str] = Field(
+        default_factory=lambda: ["downstream-ready-applier"],
+        description="Metrics: consumer groups of job.ready consumers to report lag for, "
+                    "logical names taking JOBSTREAM_TOPIC_PREFIX like jobstream's own (JSON "
+                    "list; default: `jobstream consume-ready`).",
     )
 
     db_pool_worker_max: int = Field(

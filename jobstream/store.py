@@ -358,7 +358,7 @@ class Store:
     def reemit(self, *, job: dict[str, Any], group: str, event_type: str,
                event_id: uuid.UUID, next_msg: OutboxMessage, final: bool) -> bool:
         """Re-emit a finished stage's event and record the input event as processed, in ONE
-        transaction; ``final`` (the ``published`` stage) also closes the job as succeeded.
+        transaction; ``final`` (the ``publish`` stage) also closes the job as succeeded.
         Returns False (writing nothing) if another delivery got there first."""
         with self.tx() as conn:
             if conn.execute(Q["record_processed"], (group, job["dedup_key"], event_type,

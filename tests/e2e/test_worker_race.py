@@ -89,7 +89,7 @@ def test_a_worker_frozen_past_its_lease_is_fenced_off_and_writes_nothing(race) -
     url = s.database_url
     runner.start("relay", **env)
     runner.start("consume-ready", **env)
-    # Worker A answers every chunk of its first job, then freezes before the llm_done
+    # Worker A answers every chunk of its first job, then freezes before the llm
     # checkpoint: alive, holding a claim whose lease runs out.
     a = runner.start("worker", name="worker-a", **env,
                      JOBSTREAM_FAULT="llm_after_provider_before_checkpoint=stop")

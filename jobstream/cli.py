@@ -202,7 +202,8 @@ def _print_connect_status(st: dict) -> None:  # type: ignore[type-arg]
 @main.command()
 @click.option("--lane", type=click.Choice(["all", "interactive", "batch"]), default="all",
               show_default=True, help="all: every agent in one consumer group; interactive / "
-              "batch: separate consumer pools for the costly LLM stage (run both kinds).")
+              "batch: separate consumer pools for the stages with a batch lane ("
+              + ", ".join(s.name for s in PIPELINE.stages if s.lanes) + "; run both kinds).")
 @click.option("--stages", default=None,
               help="Comma-separated agents (default: the lane's): "
                    + ", ".join(worker_stage_choices()) + ".")

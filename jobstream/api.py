@@ -437,7 +437,7 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
 
     def job_status(job_id: uuid.UUID) -> str:
         job = ctx.store.job(job_id)
-        return job["status"] if job else "unknown"
+        return job.status if job else "unknown"
 
     @app.post("/v1/jobs", status_code=202, response_model=JobCreated,
               responses={200: {"model": JobCreated, "description": "replayed intent"},

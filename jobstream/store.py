@@ -85,10 +85,6 @@ class JobRow:
     sweeps: int = 0
     swept_at: datetime | None = None
 
-    def __getitem__(self, name: str) -> Any:
-        """Transitional (until the stage bodies move to streams/ and read attributes)."""
-        return getattr(self, name)
-
 
 @dataclass(frozen=True)
 class ChunkRow:
@@ -100,9 +96,29 @@ class ChunkRow:
     text_sha256: str
     llm_output: Any = None
 
-    def __getitem__(self, name: str) -> Any:
-        """Transitional (until the stage bodies move to streams/ and read attributes)."""
-        return getattr(self, name)
+
+@dataclass(frozen=True)
+class StageCheckpoint:
+    """A stage's checkpoint as a re-drive plans from it: status, code version, the payload
+    of the event it emitted (``None`` until it succeeded) and its lease end."""
+
+    stage: str
+    status: str
+    code_version: str | None
+    emitted: Any
+    lease_until: datetime | None
+
+
+@dataclass(frozen=True)
+class ExpiredLease:
+    """A running stage whose lease expired (the sweeper's work list): its run token and
+    attempt number (runs so far)."""
+
+    job_id: uuid.UUID
+    stage: str
+    run_token: uuid.UUID
+    attempt: int
+    lease_until: datetime
 
 
 @dataclass(frozen=True)
@@ -808,8 +824,9 @@ class Store:
             if fence is not None:
                 self._fence_expired(conn, job_id, *fence)
                 conn.execute(Q["count_sweep"], (job_id,))
-            rows = {r["stage"]: r for r in conn.execute(Q["list_stages"], (job_id,))}
-            msg, stages, groups, event_types = plan(dict(job), rows)
+            rows = {r["stage"]: typed_row(StageCheckpoint, r)
+                    for r in conn.execute(Q["list_stages"], (job_id,))}
+            msg, stages, groups, event_types = plan(typed_row(JobRow, job), rows)
             conn.execute(Q["forget_processed"], (job["dedup_key"], groups, event_types))
             conn.execute(Q["reopen_stages"], (job_id, list(stages)))
             conn.execute(Q["reopen_job"], (job["generation"] + 1, job_id))
@@ -880,10 +897,11 @@ class Store:
         with self.tx() as conn:
             return list(conn.execute(Q["jobs_needing_reconciliation"]))
 
-    def expired_leases(self, grace_s: float) -> list[dict[str, Any]]:
-        """``(job_id, stage)`` of running stages whose lease expired over ``grace_s`` ago."""
+    def expired_leases(self, grace_s: float) -> list[ExpiredLease]:
+        """Running stages whose lease expired over ``grace_s`` seconds ago."""
         with self.tx() as conn:
-            return list(conn.execute(Q["expired_leases"], (grace_s,)))
+            return [typed_row(ExpiredLease, r)
+                    for r in conn.execute(Q["expired_leases"], (grace_s,))]
 
     def stage_output(self, job_id: uuid.UUID, stage: str) -> Any:
         """The output of a succeeded stage checkpoint (``None`` if not succeeded)."""
@@ -904,10 +922,11 @@ class Store:
         with self.tx() as conn:
             return [typed_row(ChunkRow, r) for r in conn.execute(Q["list_chunks"], (job_id,))]
 
-    def job(self, job_id: uuid.UUID) -> dict[str, Any] | None:
+    def job(self, job_id: uuid.UUID) -> JobRow | None:
         """The job row, or ``None``."""
         with self.tx() as conn:
-            return conn.execute(Q["get_job"], (job_id,)).fetchone()
+            row = conn.execute(Q["get_job"], (job_id,)).fetchone()
+        return None if row is None else typed_row(JobRow, row)
 
     # ------------------------------------------------------------------ provider log
 

@@ -14,6 +14,7 @@ import uuid
 from typing import Any
 
 from jobstream.errors import RetryableError, StaleRun
+from jobstream.store import JobRow, StageCheckpoint
 from schemas.events import EVENT_MODELS, JobFailed, JobFailedPayload
 from schemas.pipeline import PIPELINE
 from streams.context import StageContext, outbox_msg
@@ -43,23 +44,23 @@ def redrive(ctx: StageContext, job_id: uuid.UUID, from_stage: str | None = None,
     :class:`StaleRun` (``fence`` no longer holds). ``conn``: re-drive in the caller's
     transaction (intake's new run of a failed or cancelled job).
     """
-    def plan(job: dict[str, Any], rows: dict[str, Any]) -> tuple[Any, ...]:
+    def plan(job: JobRow, rows: dict[str, StageCheckpoint]) -> tuple[Any, ...]:
         nonlocal from_stage
         if from_stage is None:
             from_stage = next((st for st in STAGES[1:]
-                               if rows.get(st, {}).get("status") != "succeeded"), STAGES[1])
+                               if st not in rows or rows[st].status != "succeeded"), STAGES[1])
         if from_stage not in CONSUMES:
             raise KeyError(f"unknown stage {from_stage!r}; stages: {list(CONSUMES)}")
         prev = rows.get(STAGES[STAGES.index(from_stage) - 1])
-        if prev is None or prev["status"] != "succeeded" or prev["emitted"] is None:
+        if prev is None or prev.status != "succeeded" or prev.emitted is None:
             raise ValueError(f"stage before {from_stage} has no checkpoint to restart from")
         model = EVENT_MODELS[CONSUMES[from_stage]]
-        ev = model(tenant_id=job["tenant_id"], idempotency_key=job["idempotency_key"],
-                   job_id=job["job_id"], dedup_key=job["dedup_key"],
-                   request_id=job["request_id"], generation=job["generation"] + 1,
-                   payload=prev["emitted"])
+        ev = model(tenant_id=job.tenant_id, idempotency_key=job.idempotency_key,
+                   job_id=job.job_id, dedup_key=job.dedup_key,
+                   request_id=job.request_id, generation=job.generation + 1,
+                   payload=prev.emitted)
         stages_from = list(STAGES[STAGES.index(from_stage):])
-        return (outbox_msg(ctx, ev, job["lane"]), stages_from,
+        return (outbox_msg(ctx, ev, job.lane), stages_from,
                 [ctx.group(st) for st in stages_from], [CONSUMES[st] for st in stages_from])
 
     ctx.store.redrive(job_id, plan=plan, allowed=allowed, fence=fence, conn=conn)
@@ -72,16 +73,16 @@ def reconcile(ctx: StageContext, job_id: uuid.UUID, resolution: str) -> str:
     (chunks already answered are not sent again); ``fail`` ends the job ``failed`` with a
     ``job.failed`` event. Returns a one-line description. Raises ``ValueError``."""
     job = ctx.store.job(job_id)
-    if job is None or job["status"] != "needs_reconciliation":
+    if job is None or job.status != "needs_reconciliation":
         raise ValueError(f"job {job_id} does not need reconciliation")
     if resolution == "retry":
         stage = redrive(ctx, job_id, allowed=("needs_reconciliation",))
         return f"job {job_id} re-driven from {stage}"
     if resolution == "fail":
-        ev = JobFailed(tenant_id=job["tenant_id"], idempotency_key=job["idempotency_key"],
-                       job_id=job_id, dedup_key=job["dedup_key"], request_id=job["request_id"],
-                       generation=job["generation"],
-                       payload=JobFailedPayload(stage=job["current_stage"],
+        ev = JobFailed(tenant_id=job.tenant_id, idempotency_key=job.idempotency_key,
+                       job_id=job_id, dedup_key=job.dedup_key, request_id=job.request_id,
+                       generation=job.generation,
+                       payload=JobFailedPayload(stage=job.current_stage,
                                                 error_code="outcome_unknown_unresolved",
                                                 error="resolved as failed by an operator"))
         ctx.store.fail_parked(job_id, error_code="outcome_unknown_unresolved",
@@ -98,7 +99,7 @@ def give_up(ctx: StageContext, ev: Any, error_code: str, error: str) -> bool:
     job = ctx.store.job(ev.job_id)
     if job is None:
         return False
-    failed = JobFailed(tenant_id=ev.tenant_id, idempotency_key=job["idempotency_key"],
+    failed = JobFailed(tenant_id=ev.tenant_id, idempotency_key=job.idempotency_key,
                        request_id=ev.request_id, job_id=ev.job_id, dedup_key=ev.dedup_key,
                        generation=ev.generation,
                        payload=JobFailedPayload(stage=stage.name, error_code=error_code,
@@ -126,15 +127,15 @@ def sweep(ctx: StageContext) -> list[str]:
     actions = []
     grace = ctx.settings.sweep_grace_s
     for row in ctx.store.expired_leases(grace):
-        job_id, stage, seen = row["job_id"], row["stage"], row["run_token"]
+        job_id, stage, seen = row.job_id, row.stage, row.run_token
         try:
-            if row["attempt"] >= ctx.settings.max_stage_attempts:
+            if row.attempt >= ctx.settings.max_stage_attempts:
                 job = ctx.store.job(job_id)
                 assert job is not None
-                error = f"{row['attempt']} runs of {stage} died or hung"
-                ev = JobFailed(tenant_id=job["tenant_id"], idempotency_key=job["idempotency_key"],
-                               job_id=job_id, dedup_key=job["dedup_key"],
-                               request_id=job["request_id"], generation=job["generation"],
+                error = f"{row.attempt} runs of {stage} died or hung"
+                ev = JobFailed(tenant_id=job.tenant_id, idempotency_key=job.idempotency_key,
+                               job_id=job_id, dedup_key=job.dedup_key,
+                               request_id=job.request_id, generation=job.generation,
                                payload=JobFailedPayload(stage=stage,
                                                         error_code="stage_attempts_exhausted",
                                                         error=error))

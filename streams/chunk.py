@@ -19,12 +19,20 @@ if TYPE_CHECKING:
     import faust
 
 STAGE = PIPELINE.stage("chunk")
+#: What the claim transaction reads for this stage (``Store.claim``'s ``reads``).
+READS = ("output:extract",)
+
+
+def one_transaction(ctx: StageContext, ev: Any) -> bool:
+    """Cutting text is short and pure: claim, chunk and complete in ONE transaction."""
+    return True
 
 
 def work(ctx: StageContext, claim: Claim, ev: Any) -> StageResult:
     """The chunk checkpoint: the extract checkpoint's text cut into chunk rows. Raises
     :class:`RetryableError` ``not_ready`` while that checkpoint is not visible."""
-    extracted = ctx.store.stage_output(claim.job["job_id"], "extract")
+    extracted = (claim.inputs.previous_output
+                 or ctx.store.stage_output(claim.job.job_id, "extract"))
     if extracted is None:
         raise RetryableError("extract checkpoint not visible yet", code="not_ready")
     text = extracted["text"]

@@ -25,7 +25,7 @@ from jobstream.limiter import SharedLimiter
 from jobstream.llm.client import ProviderClient
 from jobstream.llm.profiles import ModelProfile
 from jobstream.settings import Settings
-from jobstream.store import OutboxMessage, Store, outbox_message
+from jobstream.store import LocalAnswer, OutboxMessage, Store, outbox_message
 from schemas.pipeline import PIPELINE
 
 
@@ -93,7 +93,8 @@ class StageContext:
 @dataclass(frozen=True)
 class StageResult:
     """What a stage's work produced: checkpoint output, input hash, code version, cost (USD),
-    the next event's payload, and side rows (chunks) or the user charge (publish)."""
+    the next event's payload, and side rows (chunks), the user charge (publish) or the chunks
+    answered in-process (``local_answers``, recorded by the completion transaction)."""
 
     output: Any
     input_hash: str
@@ -102,6 +103,7 @@ class StageResult:
     cost_usd: float = 0.0
     chunks: list[tuple[int, int, int, str, str]] | None = None
     charge_usd: float | None = None
+    local_answers: tuple[LocalAnswer, ...] = ()
 
 
 

@@ -20,7 +20,7 @@ from jobstream.keys import canonical_json, sha256_hex
 from jobstream.limiter import Slot
 from jobstream.llm.client import CallCancelled, ProviderClient, backoff_s
 from jobstream.llm.profiles import ModelProfile, get_profile, get_prompt
-from jobstream.store import Claim
+from jobstream.store import ChunkRow, Claim, LocalAnswer
 from schemas.events import LlmDonePayload
 from schemas.pipeline import PIPELINE
 from streams.context import JobCancelled, NeedsReconciliation, StageContext, StageResult
@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("jobstream.streams")
 
 STAGE = PIPELINE.stage("llm")
+#: What the claim transaction reads for this stage (``Store.claim``'s ``reads``): the chunks
+#: and the provider budget used so far (for the in-process model's budget checks).
+READS = ("chunks", "budget")
 
 
 def _check_budget(ctx: StageContext, claim: Claim, chunk_idx: int) -> int:
@@ -41,15 +44,15 @@ def _check_budget(ctx: StageContext, claim: Claim, chunk_idx: int) -> int:
     ``cost_cap_exceeded``."""
     s = ctx.settings
     job = claim.job
-    done = ctx.store.chunk_attempts(job["job_id"], claim.stage, chunk_idx)
+    done = ctx.store.chunk_attempts(job.job_id, claim.stage, chunk_idx)
     if done >= s.provider_budget_attempts:
         raise PermanentError(f"chunk {chunk_idx}: {done} provider attempts, budget "
                              f"{s.provider_budget_attempts}", code="retry_budget_exhausted")
-    age_s = time.time() - job["created_at"].timestamp()
+    age_s = time.time() - job.created_at.timestamp()
     if age_s > s.job_deadline_s:
         raise PermanentError(f"job is {age_s:.0f}s old, deadline {s.job_deadline_s:.0f}s",
                              code="deadline_exceeded")
-    spent = ctx.store.job_provider_cost(job["job_id"])
+    spent = ctx.store.job_provider_cost(job.job_id)
     if spent >= s.provider_cost_cap_usd and (spent > 0 or s.provider_cost_cap_usd == 0):
         raise PermanentError(f"provider cost cap reached: {spent:.6f} USD spent, cap "
                              f"{s.provider_cost_cap_usd:.6f} USD", code="cost_cap_exceeded")
@@ -75,7 +78,7 @@ class Heartbeat:
     def beat(self) -> None:
         """Renew the lease if a heartbeat is due. Raises :class:`StaleRun` once fenced."""
         if self.fenced:
-            raise StaleRun(f"stage {self.claim.stage} of job {self.claim.job['job_id']}: "
+            raise StaleRun(f"stage {self.claim.stage} of job {self.claim.job.job_id}: "
                            "the run was fenced off during a provider wait")
         if time.monotonic() - self._last < self.ctx.settings.heartbeat_s:
             return
@@ -85,7 +88,7 @@ class Heartbeat:
             self.fenced = True
             raise
         except RetryableError as exc:  # Postgres away for a moment: the lease has slack
-            log.warning("lease heartbeat of job %s failed: %s", self.claim.job["job_id"], exc)
+            log.warning("lease heartbeat of job %s failed: %s", self.claim.job.job_id, exc)
             return
         self._last = time.monotonic()
 
@@ -95,7 +98,7 @@ class Heartbeat:
             self.beat()
         except StaleRun:
             return True
-        return self.ctx.store.cancel_requested(self.claim.job["job_id"])
+        return self.ctx.store.cancel_requested(self.claim.job.job_id)
 
     def sleep(self, seconds: float) -> None:
         """Wait ``seconds`` (a Retry-After or backoff), beating meanwhile. Raises
@@ -117,7 +120,7 @@ def estimate_cost_usd(profile: ModelProfile, prompt: str, text: str) -> float:
 
 
 def _call_provider(ctx: StageContext, claim: Claim, profile: ModelProfile, prompt: str,
-                   chunk: dict[str, Any]) -> tuple[dict[str, Any], int]:
+                   chunk: ChunkRow) -> tuple[dict[str, Any], int]:
     """One chunk through the provider: up to ``provider_max_attempts`` in-process attempts
     (within ``provider_deadline_s`` seconds) with full-jitter backoff honouring Retry-After,
     each checked against the job's budget (:func:`_check_budget`).
@@ -132,7 +135,7 @@ def _call_provider(ctx: StageContext, claim: Claim, profile: ModelProfile, promp
     s = ctx.settings
     client = ctx.client(profile)
     deadline = time.monotonic() + s.provider_deadline_s
-    policy = s.outcome_unknown_policy.get(claim.job["lane"], "retry")
+    policy = s.outcome_unknown_policy.get(claim.job.lane, "retry")
     last: Exception | None = None
     retry_after: float | None = None
     # Remote calls poll while in flight: the heartbeat renews the lease (so a call longer
@@ -140,14 +143,14 @@ def _call_provider(ctx: StageContext, claim: Claim, profile: ModelProfile, promp
     # fenced or the job cancelled. The local model answers at once.
     hb = Heartbeat(ctx, claim)
     abort = hb.should_abort if profile.base_url else None
-    est = estimate_cost_usd(profile, prompt, chunk["text"])
+    est = estimate_cost_usd(profile, prompt, chunk.text)
     for round_attempt in range(1, s.provider_max_attempts + 1):
         ctx.store.renew_lease(claim, s.lease_s)
-        attempt = _check_budget(ctx, claim, chunk["idx"])
+        attempt = _check_budget(ctx, claim, chunk.idx)
         slot = _take_slot(ctx, claim, profile) if profile.base_url else None
         outcome = "other"
         try:
-            attempt_id = ctx.store.start_attempt(claim, chunk_idx=chunk["idx"],
+            attempt_id = ctx.store.start_attempt(claim, chunk_idx=chunk.idx,
                                                  attempt=attempt, model=client.model,
                                                  est_cost_usd=est)
             if attempt_id is None:
@@ -163,7 +166,7 @@ def _call_provider(ctx: StageContext, claim: Claim, profile: ModelProfile, promp
         if round_attempt == s.provider_max_attempts or time.monotonic() + wait > deadline:
             break
         log.info("provider attempt %d for job %s chunk %d failed (%s); retrying in %.2fs",
-                 attempt, claim.job["job_id"], chunk["idx"], last, wait)
+                 attempt, claim.job.job_id, chunk.idx, last, wait)
         hb.sleep(wait)  # a Retry-After may outlast the lease: keep it alive meanwhile
     raise RetryableError(f"provider still failing after {round_attempt} attempts: {last}",
                          code="provider_unavailable", retry_after_s=retry_after)
@@ -171,7 +174,7 @@ def _call_provider(ctx: StageContext, claim: Claim, profile: ModelProfile, promp
 
 def _take_slot(ctx: StageContext, claim: Claim, profile: ModelProfile) -> Slot:
     """Wait for a slot of the shared limit, renewing the lease and honouring a cancel."""
-    job_id = claim.job["job_id"]
+    job_id = claim.job.job_id
     last_renew = time.monotonic()
 
     def on_wait() -> None:
@@ -182,12 +185,12 @@ def _take_slot(ctx: StageContext, claim: Claim, profile: ModelProfile) -> Slot:
                 raise JobCancelled("cancelled while waiting for a provider slot")
             last_renew = time.monotonic()
 
-    return ctx.limiter.acquire(profile.name, claim.job["lane"], job_id,
+    return ctx.limiter.acquire(profile.name, claim.job.lane, job_id,
                                timeout_s=ctx.settings.provider_deadline_s, on_wait=on_wait)
 
 
 def _one_attempt(ctx: StageContext, claim: Claim, client: ProviderClient, profile: ModelProfile,
-                 prompt: str, chunk: dict[str, Any], attempt_id: int, abort: Any, policy: str,
+                 prompt: str, chunk: ChunkRow, attempt_id: int, abort: Any, policy: str,
                  round_attempt: int, retry_after: float | None, last: Exception | None,
                  hb: Heartbeat | None = None
                  ) -> tuple[Any, str, float, Exception | None, float | None]:
@@ -195,21 +198,21 @@ def _one_attempt(ctx: StageContext, claim: Claim, client: ProviderClient, profil
     wait before the next attempt (s), last error, retry_after)``; raises what must end the
     stage run (permanent, cancelled, needs reconciliation)."""
     s = ctx.settings
-    job_id = claim.job["job_id"]
+    job_id = claim.job.job_id
     try:
-        done = client.complete(prompt, chunk["text"],
-                               idempotency_key=f"{job_id}:{chunk['idx']}",
+        done = client.complete(prompt, chunk.text,
+                               idempotency_key=f"{job_id}:{chunk.idx}",
                                should_abort=abort)
     except CallCancelled as exc:
         if hb is not None and hb.fenced:
             # Fenced mid-call: the answer could not be used any more. The provider may still
             # do (and bill) the work: an unknown outcome, billed at the estimate.
             ctx.store.close_attempt(attempt_id)
-            raise StaleRun(f"chunk {chunk['idx']}: run fenced off during the provider call; "
+            raise StaleRun(f"chunk {chunk.idx}: run fenced off during the provider call; "
                            "call stopped") from None
         # "External call cancelled": a fact of the attempt, not of the job.
         ctx.store.finish_attempt(attempt_id, outcome="cancelled", error=str(exc))
-        raise JobCancelled(f"chunk {chunk['idx']}: {exc}") from None
+        raise JobCancelled(f"chunk {chunk.idx}: {exc}") from None
     except RetryableError as exc:
         ctx.store.finish_attempt(attempt_id, outcome="transient_error", error=str(exc),
                                  status_code=_status_of(exc))
@@ -220,7 +223,7 @@ def _one_attempt(ctx: StageContext, claim: Claim, client: ProviderClient, profil
         # Never recorded as a failure: the provider may have done (and billed) the work.
         ctx.store.finish_attempt(attempt_id, outcome="outcome_unknown", error=str(exc))
         if policy != "retry":
-            raise NeedsReconciliation(f"chunk {chunk['idx']}: {exc}") from None
+            raise NeedsReconciliation(f"chunk {chunk.idx}: {exc}") from None
         # Interactive: retry (the Idempotency-Key header lets a provider dedupe it).
         wait = backoff_s(round_attempt - 1, s.provider_backoff_base_s,
                          s.provider_backoff_cap_s)
@@ -233,7 +236,7 @@ def _one_attempt(ctx: StageContext, claim: Claim, client: ProviderClient, profil
     faults.point("llm_chunk_answered_before_save")
     # The attempt's success and the chunk's output in ONE transaction: a crash between two
     # would leave an answered chunk without output, and the retry would pay for it again.
-    ctx.store.succeed_chunk_attempt(claim, attempt_id, idx=chunk["idx"], output=done.content,
+    ctx.store.succeed_chunk_attempt(claim, attempt_id, idx=chunk.idx, output=done.content,
                                     status_code=done.status_code, latency_ms=done.latency_ms,
                                     prompt_tokens=done.prompt_tokens,
                                     completion_tokens=done.completion_tokens, cost_usd=cost)
@@ -246,34 +249,92 @@ def _status_of(exc: Exception) -> int | None:
 
 
 def work(ctx: StageContext, claim: Claim, ev: Any) -> StageResult:
+    """The llm checkpoint: every chunk answered by the job's model profile (each answer paid
+    for once over all runs). A remote provider goes through :func:`_call_provider` (attempt
+    rows committed before each request); the in-process model through :func:`_work_local`.
+    Raises :class:`RetryableError` ``not_ready`` while the chunks are not visible."""
     job = claim.job
-    profile = get_profile(job["model_profile"])
-    prompt = get_prompt(job["prompt_version"])
-    chunks = ctx.store.chunks(job["job_id"])
+    profile = get_profile(job.model_profile)
+    prompt = get_prompt(job.prompt_version)
+    chunks = claim.inputs.chunks
+    if chunks is None:
+        chunks = tuple(ctx.store.chunks(job.job_id))
     if not chunks:
         raise RetryableError("chunks not visible yet", code="not_ready")
+    if profile.base_url is None:
+        return _work_local(ctx, claim, profile, prompt, chunks)
     for ch in chunks:
-        if ch["llm_output"] is not None:
+        if ch.llm_output is not None:
             continue  # answered in an earlier run of this stage: never paid for twice
-        if ctx.store.cancel_requested(job["job_id"]):
+        if ctx.store.cancel_requested(job.job_id):
             raise JobCancelled("cancelled before the next provider call")
         _call_provider(ctx, claim, profile, prompt, ch)  # stores the chunk's output
     faults.point("llm_after_provider_before_checkpoint")
-    outputs = [c["llm_output"] for c in ctx.store.chunks(job["job_id"])]
+    outputs = [c.llm_output for c in ctx.store.chunks(job.job_id)]
     if any(o is None for o in outputs):
         raise StaleRun("a chunk lost its output: a newer run owns the stage")
     # Every run's attempts: a run that resumes after a crash reports what the stage cost,
     # not only its own (possibly zero) calls.
-    cost, attempts = ctx.store.stage_provider_cost(job["job_id"], STAGE.name)
+    cost, attempts = ctx.store.stage_provider_cost(job.job_id, STAGE.name)
+    return _result(ctx, chunks, profile, outputs, cost, attempts)
+
+
+def _result(ctx: StageContext, chunks: tuple[ChunkRow, ...], profile: ModelProfile,
+            outputs: list[Any], cost: float, attempts: int,
+            answers: tuple[LocalAnswer, ...] = ()) -> StageResult:
     digest = sha256_hex(canonical_json(outputs))
     return StageResult(
         output={"chunk_count": len(outputs), "output_sha256": digest, "model": profile.model,
                 "provider_attempts": attempts},
-        input_hash=sha256_hex(canonical_json([c["text_sha256"] for c in chunks])),
-        code_version=ctx.code_version(STAGE.name), cost_usd=cost,
+        input_hash=sha256_hex(canonical_json([c.text_sha256 for c in chunks])),
+        code_version=ctx.code_version(STAGE.name), cost_usd=cost, local_answers=answers,
         payload=LlmDonePayload(chunk_count=len(outputs), output_sha256=digest,
                                provider_calls=attempts, reused=attempts == 0, cost_usd=cost))
 
+
+def _work_local(ctx: StageContext, claim: Claim, profile: ModelProfile, prompt: str,
+                chunks: tuple[ChunkRow, ...]) -> StageResult:
+    """The llm stage on the in-process model (no remote provider: nothing is sent or billed
+    outside the process). No attempt row before the call, no lease renewal, no cancel poll,
+    no shared-limit slot: the answers are recorded (``succeeded`` attempts with the chunks'
+    outputs, fenced by run token and generation) by the completion transaction, and a crash
+    before it loses only local CPU work. The budget (attempts per chunk, deadline, cost cap)
+    is checked as on the remote path, from what the claim read. Raises
+    :class:`PermanentError` (budget spent, or a malformed answer)."""
+    s = ctx.settings
+    job = claim.job
+    budget = claim.inputs.budget or ctx.store.provider_budget(job.job_id, claim.stage)
+    client = ctx.client(profile)
+    spent = budget.job_cost_usd
+    cost, attempts = budget.stage_cost_usd, budget.stage_attempts
+    outputs: list[Any] = []
+    answers: list[LocalAnswer] = []
+    for ch in chunks:
+        if ch.llm_output is not None:
+            outputs.append(ch.llm_output)
+            continue
+        done = budget.chunk_attempts.get(ch.idx, 0)
+        if done >= s.provider_budget_attempts:
+            raise PermanentError(f"chunk {ch.idx}: {done} provider attempts, budget "
+                                 f"{s.provider_budget_attempts}", code="retry_budget_exhausted")
+        age_s = time.time() - job.created_at.timestamp()
+        if age_s > s.job_deadline_s:
+            raise PermanentError(f"job is {age_s:.0f}s old, deadline {s.job_deadline_s:.0f}s",
+                                 code="deadline_exceeded")
+        if spent >= s.provider_cost_cap_usd and (spent > 0 or s.provider_cost_cap_usd == 0):
+            raise PermanentError(f"provider cost cap reached: {spent:.6f} USD spent, cap "
+                                 f"{s.provider_cost_cap_usd:.6f} USD", code="cost_cap_exceeded")
+        answer = client.complete(prompt, ch.text, idempotency_key=f"{job.job_id}:{ch.idx}")
+        price = profile.cost_usd(answer.prompt_tokens, answer.completion_tokens)
+        spent += price
+        cost += price
+        attempts += 1
+        outputs.append(answer.content)
+        answers.append(LocalAnswer(
+            idx=ch.idx, attempt=done + 1, model=client.model, output=answer.content,
+            latency_ms=answer.latency_ms, prompt_tokens=answer.prompt_tokens,
+            completion_tokens=answer.completion_tokens, cost_usd=price))
+    return _result(ctx, chunks, profile, outputs, cost, attempts, tuple(answers))
 
 
 def register(app: faust.App, ctx: StageContext) -> Any:

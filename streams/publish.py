@@ -18,6 +18,13 @@ if TYPE_CHECKING:
     import faust
 
 STAGE = PIPELINE.stage("publish")
+#: What the claim transaction reads for this stage (``Store.claim``'s ``reads``).
+READS = ("output:validate",)
+
+
+def one_transaction(ctx: StageContext, ev: Any) -> bool:
+    """Building ``job.ready`` is short and pure: ONE transaction."""
+    return True
 
 
 def work(ctx: StageContext, claim: Claim, ev: Any) -> StageResult:
@@ -25,17 +32,18 @@ def work(ctx: StageContext, claim: Claim, ev: Any) -> StageResult:
     Raises :class:`RetryableError` ``not_ready`` while the validate checkpoint is not
     visible."""
     job = claim.job
-    analysis = ctx.store.stage_output(job["job_id"], "validate")
+    analysis = (claim.inputs.previous_output
+                or ctx.store.stage_output(job.job_id, "validate"))
     if analysis is None:
         raise RetryableError("validate checkpoint not visible yet", code="not_ready")
-    cost = float(job["cost_usd"])
+    cost = float(job.cost_usd)
     charge = ctx.settings.charge_per_job_usd
     return StageResult(
         output={"published": True}, input_hash=sha256_hex(canonical_json(analysis)),
         code_version=ctx.code_version(STAGE.name), charge_usd=charge,
         payload=JobReadyPayload(result=DocumentAnalysis.model_validate(analysis),
-                                document_sha256=job["document_sha256"],
-                                filename=job["filename"], cost_usd=cost, charge_usd=charge))
+                                document_sha256=job.document_sha256,
+                                filename=job.filename, cost_usd=cost, charge_usd=charge))
 
 
 def register(app: faust.App, ctx: StageContext) -> Any:

@@ -2,10 +2,13 @@
 the generic stage agent that feeds it.
 
 Each stage follows the same rules: skip if the event was processed or the checkpoint is done;
-claim with a lease and a fresh run token (fencing token); do the work (the stage module's
-``work``) outside any transaction; then in ONE transaction write the fenced checkpoint, the
-next event's outbox row and the idempotent-consumer row. The agent commits the Kafka offset
-only after :func:`run_stage` returns (``streams.offsets``).
+claim with a lease and a fresh run token (fencing token), reading in the same transaction what
+the stage needs (the stage module's ``READS``); do the work (the stage module's ``work``)
+outside any transaction; then in ONE transaction write the fenced checkpoint, the next event's
+outbox row and the idempotent-consumer row. A short, pure stage (its module's
+``one_transaction(ctx, event)`` says so, and ``stage_one_transaction`` is on) claims, works and
+completes in ONE transaction under the job's row lock instead (``Store.claim_and_complete``).
+The agent commits the Kafka offset only after :func:`run_stage` returns (``streams.offsets``).
 
 Errors that escape: :class:`RetryableError` / :class:`OutcomeUnknown` (the caller retries the
 same message later; nothing was checkpointed) and :class:`PoisonMessage` (dead-letter it).
@@ -18,6 +21,7 @@ import importlib
 import logging
 import time
 from collections.abc import Callable
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
 import psycopg
@@ -46,10 +50,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("jobstream.streams")
 
 
+def module_of(stage: str) -> ModuleType:
+    """The module of ``stage``: ``streams.<stage>`` (its ``work``, and optionally ``READS``
+    and ``one_transaction``). Raises ``ModuleNotFoundError``."""
+    return importlib.import_module(f"streams.{stage}")
+
+
 def work_of(stage: str) -> Callable[[StageContext, Claim, Any], StageResult]:
     """The work function of ``stage``: ``streams.<stage>.work(ctx, claim, event)``. Raises
     ``ModuleNotFoundError`` / ``AttributeError`` for a stage without a module."""
-    work = importlib.import_module(f"streams.{stage}").work
+    work = module_of(stage).work
     return cast(Callable[[StageContext, Claim, Any], StageResult], work)
 
 
@@ -75,25 +85,46 @@ def run_stage(ctx: StageContext, ev: Any) -> str:
     """
     stage = PIPELINE.consumer_of(ev.event_type)
     emits = EVENT_MODELS[stage.emits]
+    module = module_of(stage.name)
     group = ctx.group(stage.name)
     common = {"tenant_id": ev.tenant_id, "request_id": ev.request_id, "job_id": ev.job_id,
               "dedup_key": ev.dedup_key, "generation": ev.generation}
+    later = PIPELINE.later(stage.name)
+    claim_kw = {"job_id": ev.job_id, "stage": stage.name, "group": group,
+                "dedup_key": ev.dedup_key, "event_type": ev.event_type,
+                "event_id": ev.event_id, "lease_s": ctx.settings.lease_s,
+                "code_version": ctx.code_version(stage.name), "generation": ev.generation,
+                "reads": getattr(module, "READS", ())}
+
+    def completion(claim: Claim, result: StageResult) -> dict[str, Any]:
+        """The :meth:`Store.complete` arguments of a run whose work returned ``result``."""
+        next_event = emits(**{**common, "idempotency_key": claim.job.idempotency_key},
+                           payload=result.payload)
+        return {"output": result.output, "input_hash": result.input_hash,
+                "code_version": result.code_version, "cost_usd": result.cost_usd,
+                "group": group, "event_type": ev.event_type, "event_id": ev.event_id,
+                "next_msg": outbox_msg(ctx, next_event, claim.job.lane),
+                "chunks": result.chunks, "charge_usd": result.charge_usd,
+                "later_stages": later, "local_answers": result.local_answers}
+
+    single = bool(ctx.settings.stage_one_transaction and hasattr(module, "one_transaction")
+                  and module.one_transaction(ctx, ev))
+    failure: Exception | None = None
     while True:
-        got = ctx.store.claim(job_id=ev.job_id, stage=stage.name, group=group,
-                              dedup_key=ev.dedup_key, event_type=ev.event_type,
-                              event_id=ev.event_id, lease_s=ctx.settings.lease_s,
-                              code_version=ctx.code_version(stage.name),
-                              generation=ev.generation)
+        if single:  # claim, work and complete in ONE transaction (a short, pure stage)
+            got, failure = ctx.store.claim_and_complete(
+                lambda c: completion(c, module.work(ctx, c, ev)), **claim_kw)
+        else:
+            got = ctx.store.claim(**claim_kw)
         if isinstance(got, Skip):
             if got.reason == "unknown_job":  # no job ever had this id: not our event
                 raise PoisonMessage(f"no job {ev.job_id}", code="unknown_job")
             return f"skipped:{got.reason}"
         if isinstance(got, Done):
-            nxt = emits(**common, idempotency_key=got.job["idempotency_key"],
-                             payload=got.emitted)
+            nxt = emits(**common, idempotency_key=got.job.idempotency_key, payload=got.emitted)
             ok = ctx.store.reemit(job=got.job, group=group, event_type=ev.event_type,
                                   event_id=ev.event_id,
-                                  next_msg=outbox_msg(ctx, nxt, got.job["lane"]),
+                                  next_msg=outbox_msg(ctx, nxt, got.job.lane),
                                   final=stage.name == PIPELINE.names[-1])
             return "reused" if ok else "skipped:duplicate"
         if isinstance(got, LeaseHeld):
@@ -104,18 +135,14 @@ def run_stage(ctx: StageContext, ev: Any) -> str:
             continue
         claim = got
         break
-    common["idempotency_key"] = claim.job["idempotency_key"]
-    later = PIPELINE.later(stage.name)
+    common["idempotency_key"] = claim.job.idempotency_key
     try:
         try:
-            result = work_of(stage.name)(ctx, claim, ev)
-            next_event = emits(**common, payload=result.payload)
-            ctx.store.complete(claim, output=result.output, input_hash=result.input_hash,
-                               code_version=result.code_version, cost_usd=result.cost_usd,
-                               group=group, event_type=ev.event_type, event_id=ev.event_id,
-                               next_msg=outbox_msg(ctx, next_event, claim.job["lane"]),
-                               chunks=result.chunks, charge_usd=result.charge_usd,
-                               later_stages=later)
+            if single:
+                if failure is not None:  # the work failed; its claim committed alone
+                    raise failure
+                return "done"
+            ctx.store.complete(claim, **completion(claim, module.work(ctx, claim, ev)))
         except (RetryableError, OutcomeUnknown) as exc:
             # Give the stage back so the retry claims it at once instead of waiting for this
             # run's lease; then let the caller retry. Also when the completing transaction

@@ -21,6 +21,13 @@ if TYPE_CHECKING:
     import faust
 
 STAGE = PIPELINE.stage("validate")
+#: What the claim transaction reads for this stage (``Store.claim``'s ``reads``).
+READS = ("chunks",)
+
+
+def one_transaction(ctx: StageContext, ev: Any) -> bool:
+    """Merging the chunk answers is short and pure: ONE transaction."""
+    return True
 
 
 class ChunkAnalysis(BaseModel):
@@ -69,9 +76,11 @@ def merge_analyses(filename: str, outputs: list[Any]) -> DocumentAnalysis:
 def work(ctx: StageContext, claim: Claim, ev: Any) -> StageResult:
     """The validate checkpoint: the llm checkpoint's chunk answers merged into one
     ``DocumentAnalysis``. Raises :class:`PermanentError` ``invalid_model_output``."""
-    chunks = ctx.store.chunks(claim.job["job_id"])
-    outputs = [c["llm_output"] for c in chunks]
-    analysis = merge_analyses(claim.job["filename"], outputs)
+    chunks = claim.inputs.chunks
+    if chunks is None:
+        chunks = tuple(ctx.store.chunks(claim.job.job_id))
+    outputs = [c.llm_output for c in chunks]
+    analysis = merge_analyses(claim.job.filename, outputs)
     out = analysis.model_dump(mode="json")
     return StageResult(output=out, input_hash=sha256_hex(canonical_json(outputs)),
                        code_version=ctx.code_version(STAGE.name),

@@ -91,13 +91,13 @@ def _complete(ctx: StageContext, claim: Claim, ev: Any) -> None:
     """Complete ``claim`` with a dummy result (what run_stage does after the work)."""
     nxt = LlmDone(tenant_id=ev.tenant_id, request_id=ev.request_id, job_id=ev.job_id,
                          dedup_key=ev.dedup_key, generation=claim.generation,
-                         idempotency_key=claim.job["idempotency_key"],
+                         idempotency_key=claim.job.idempotency_key,
                          payload=LlmDonePayload(chunk_count=1, output_sha256="0" * 64,
                                                        provider_calls=0, reused=True,
                                                        cost_usd=0.0))
     ctx.store.complete(claim, output={}, input_hash="h", code_version="llm-1", cost_usd=0.0,
                        group=GROUP, event_type=ev.event_type, event_id=ev.event_id,
-                       next_msg=outbox_msg(ctx, nxt, claim.job["lane"]))
+                       next_msg=outbox_msg(ctx, nxt, claim.job.lane))
 
 
 def _writes(url: str) -> dict[str, int]:
@@ -236,7 +236,7 @@ def test_a_sweeper_pass_racing_a_takeover_re_drives_nothing(job) -> None:
     _expire(url)
     # The sweeper sees the expired lease; before its re-drive, a worker takes the stage over.
     [seen] = ctx.store.expired_leases(0.0)
-    assert seen["run_token"] == old.run_token
+    assert seen.run_token == old.run_token
     new = _claim(ctx, ev)
     assert isinstance(new, Claim)
     outbox_before = _writes(url)["outbox"]
@@ -267,8 +267,8 @@ def test_the_sweeper_does_not_stall_behind_a_frozen_transaction(job) -> None:
 
 def _try_redrive(ctx: StageContext, job_id: uuid.UUID, seen: dict[str, Any]) -> str:
     try:
-        redrive(ctx, job_id, from_stage=seen["stage"], allowed=("queued", "running"),
-                       fence=(seen["stage"], seen["run_token"], 0.0))
+        redrive(ctx, job_id, from_stage=seen.stage, allowed=("queued", "running"),
+                       fence=(seen.stage, seen.run_token, 0.0))
     except StaleRun:
         return "stale"
     return "re-driven"

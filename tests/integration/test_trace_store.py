@@ -9,7 +9,7 @@ import pytest
 
 from jobstream import tracing
 from jobstream.settings import Settings
-from jobstream.store import Store, outbox_message
+from jobstream.store import JobRow, Store, outbox_message
 from schemas.events import (
     DocumentRef,
     DocumentUploaded,
@@ -32,9 +32,9 @@ def _uploaded(key: str) -> DocumentUploaded:
                             payload=DocumentUploadedPayload(document=doc))
 
 
-def _failed(job: dict) -> JobFailed:
-    return JobFailed(tenant_id=job["tenant_id"], idempotency_key=job["idempotency_key"],
-                     job_id=job["job_id"], dedup_key=job["dedup_key"],
+def _failed(job: JobRow) -> JobFailed:
+    return JobFailed(tenant_id=job.tenant_id, idempotency_key=job.idempotency_key,
+                     job_id=job.job_id, dedup_key=job.dedup_key,
                      payload=JobFailedPayload(stage="llm", error_code="x", error="x"))
 
 
@@ -53,13 +53,13 @@ def test_rows_written_without_a_span_use_the_jobs_trace(settings: Settings) -> N
         # Intake with no span starts the job's trace; its job.accepted row carries it.
         job_id = handle_intake(ctx, _uploaded("a")).job_id
         job = ctx.store.job(job_id)
-        assert job is not None and job["trace_id"] and tracing.current() is None
-        assert _trace_of_last_row(url) == job["trace_id"]
+        assert job is not None and job.trace_id and tracing.current() is None
+        assert _trace_of_last_row(url) == job.trace_id
 
         # A row written later with no span (the sweeper's case) stays in the job's trace.
         with ctx.store.tx() as conn:
             Store.add_outbox(conn, outbox_message(settings.topic("job.failed"), _failed(job)))
-        assert _trace_of_last_row(url) == job["trace_id"]
+        assert _trace_of_last_row(url) == job.trace_id
 
         # Under a span, the span wins (it already continues the job's trace upstream).
         span = tracing.start()
@@ -77,6 +77,6 @@ def test_rows_written_without_a_span_use_the_jobs_trace(settings: Settings) -> N
             stored = query(url, "SELECT trace_id FROM job WHERE job_id = %s", (job_id,))[0]
             assert stored["trace_id"] and _trace_of_last_row(url) == stored["trace_id"]
             given.append(stored["trace_id"])
-        assert given[0] == given[1] != job["trace_id"]
+        assert given[0] == given[1] != job.trace_id
     finally:
         ctx.store.close()

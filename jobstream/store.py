@@ -480,7 +480,7 @@ class Store:
                                   reads=reads)
 
     def claim_and_complete(self, work: Callable[[Claim], dict[str, Any]], **claim_kw: Any
-                           ) -> tuple[Claim | Skip | Done | LeaseHeld, BaseException | None]:
+                           ) -> tuple[Claim | Skip | Done | LeaseHeld, Exception | None]:
         """Claim (as :meth:`claim`, ``claim_kw``), run ``work(claim)`` and complete (as
         :meth:`complete`, with the keyword arguments ``work`` returns) in ONE transaction,
         the job row locked throughout: for short, pure stages (no call leaves the process).

@@ -99,8 +99,8 @@ def worker(endpoints: Endpoints, tmp_path_factory: pytest.TempPathFactory) -> It
            "JOBSTREAM_CONNECT_GROUP": group, "JOBSTREAM_KAFKA_BOOTSTRAP_SERVERS": endpoints.kafka,
            "JOBSTREAM_CONNECT_HEAP_OPTS": "-Xmx512m -Xms128m"}
     w = Worker(f"http://127.0.0.1:{port}", env, group, d)
-    w.services("up", "connect")
     try:
+        w.services("up", "connect")  # inside: a worker that started but failed a check is stopped
         yield w
     finally:
         subprocess.run(["bash", str(SCRIPT), "down", "connect"], env=env, timeout=60,

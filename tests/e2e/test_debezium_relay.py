@@ -392,9 +392,14 @@ def test_connect_killed_mid_stream_and_down_30s_loses_nothing_and_the_slot_is_fl
     assert after > before, (before, after)
     worker.services("start", "connect")
     # The restarted worker takes its task back at once (it is the group's only member;
-    # services.sh caps Connect's lost-member rebalance delay at 5 s, not the default 5 min).
-    wait_for(lambda: [t["state"] for t in dbz.status(s)["tasks"]] == ["RUNNING"], 60,
-             "the connector task RUNNING after the restart",
+    # services.sh caps Connect's lost-member rebalance delay at 5 s, not the default 5 min):
+    # RUNNING, and streaming from the slot again (the status topic may still hold the killed
+    # worker's RUNNING; only the restarted task makes the slot active).
+    def streaming() -> bool:
+        st = dbz.status(s)
+        return ([t["state"] for t in st["tasks"]] == ["RUNNING"]
+                and [x["active"] for x in st["slots"]] == [True])
+    wait_for(streaming, 60, "the connector task RUNNING and its slot active after the restart",
              lambda: str(dbz.status(s)) + worker.log())
     t.join(120)
     assert written == 1000

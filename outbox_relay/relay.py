@@ -28,6 +28,7 @@ Protocol (design.md, "Outbox relay"):
 from __future__ import annotations
 
 import logging
+import queue
 import signal
 import threading
 import time
@@ -101,6 +102,54 @@ class RelayStats:
     started_at: float = field(default_factory=time.monotonic)
 
 
+class Marker(threading.Thread):
+    """Marks delivered rows published on a connection of its own, so the relay's loop does
+    not wait for Postgres to update them. Rows submitted and not yet marked are in
+    :attr:`marking` (the loop must not fetch them again); :meth:`drain` waits for the
+    queue; an error (Postgres gone) is kept and re-raised by :meth:`check`."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(name="relay-marker", daemon=True)
+        self._conn = connect(url, autocommit=True)
+        self._conn.execute(Q["relay_session_async_commit"])
+        self._queue: queue.Queue[list[int] | None] = queue.Queue()
+        self.marking: set[int] = set()
+        self.error: Exception | None = None
+
+    def submit(self, ids: list[int]) -> None:
+        """Queue a mark of ``ids``; raises the marker's earlier error, if any."""
+        self.check()
+        self.marking.update(ids)
+        self._queue.put(ids)
+
+    def check(self) -> None:
+        """Re-raise the error that stopped the marker (its rows were not marked)."""
+        if self.error is not None:
+            raise self.error
+
+    def run(self) -> None:
+        while (ids := self._queue.get()) is not None:
+            try:
+                if self.error is None:
+                    self._conn.execute(Q["outbox_mark_published"], (ids,))
+            except Exception as exc:  # re-raised in the relay's loop
+                self.error = exc
+            finally:
+                self.marking.difference_update(ids)
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def drain(self) -> None:
+        """Wait until every submitted mark ran (or failed: see :meth:`check`)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Finish the queued marks, stop the thread, close its connection."""
+        self._queue.put(None)
+        self.join(60)
+        self._conn.close()
+
+
 class OutboxRelay:
     """Publishes the outbox until :meth:`stop` is called (thread-safe) or a signal arrives."""
 
@@ -120,6 +169,7 @@ class OutboxRelay:
         self._acked: list[tuple[Any, ...]] = []
         self._failed: list[tuple[tuple[Any, ...], KafkaError]] = []
         self._refused: list[tuple[tuple[Any, ...], str]] = []
+        self._marker: Marker | None = None  # in run(): marks on a connection of its own
         self._hwm = 0  # the highest id fetched
         self._draining = False  # the last fetch was a full batch: continue after _hwm
         self._floor = 0  # rows below it were published (or parked) when it was recorded
@@ -173,6 +223,8 @@ class OutboxRelay:
         of rows fetched (``relay_batch_size``: more are probably waiting)."""
         poll = self._producer.poll
         poll(0)
+        if self._marker is not None:
+            self._marker.check()
         if self._failed or self._refused:
             self.settle(conn, wait=True)  # raises DeliveryFailed for retriable failures
         # Marked before the fetch: a row acknowledged but not marked would be fetched again.
@@ -203,13 +255,24 @@ class OutboxRelay:
             if now - self._last_full >= st.relay_full_rescan_s:
                 floor, self._last_full = 0, now  # a transaction open longer than the window
             pending = self._pending
+            # Copied before the query: a row whose mark commits meanwhile is in the copy (and
+            # skipped) or already published in the query's snapshot.
+            marking = set(self._marker.marking) if self._marker is not None else set()
+            hwm = self._hwm
+            # Ids only (rows in flight are the most of them), then the late rows by id.
             with conn.cursor(row_factory=tuple_row) as cur:
-                got = cur.execute(Q["outbox_fetch_after"], (floor, n + len(pending))).fetchall()
-            rows = [r for r in got if r[0] not in pending][:n]
+                ids = [r[0] for r in cur.execute(
+                    Q["outbox_unpublished_ids"],
+                    (floor, hwm, n + len(pending) + len(marking))).fetchall()]
+                late = [i for i in ids if i not in pending and i not in marking][:n]
+                rows = cur.execute(Q["outbox_fetch_ids"], (late,)).fetchall() if late else []
+                if len(rows) < n:
+                    rows += cur.execute(Q["outbox_fetch_after"],
+                                        (hwm, n - len(rows))).fetchall()
             # Below ``low`` every row was published, or not yet visible: committed by a
             # transaction that was still open now (it has its id already).
-            low = min(got[0][0] if got else self._hwm + 1,
-                      min(pending) if pending else self._hwm + 1, self._hwm + 1) - 1
+            low = min(ids[0] if ids else hwm + 1, min(pending) if pending else hwm + 1,
+                      hwm + 1) - 1
             floors.append((now, low))
             self._last_rescan = now
         self._draining = len(rows) >= n
@@ -262,9 +325,11 @@ class OutboxRelay:
 
     def mark(self, conn: psycopg.Connection) -> int:
         """Mark the rows acknowledged so far published (one statement, in the order of their
-        delivery reports); returns how many. The relay's session commits without waiting
-        for the WAL flush: a mark lost in a Postgres crash only re-publishes its rows (the
-        at-least-once side, absorbed by the consumers)."""
+        delivery reports); returns how many. In :meth:`run` the statement goes to the marker
+        thread (its own connection), so the next batch is fetched and produced while
+        Postgres updates this one; otherwise it runs on ``conn``. The relay's sessions
+        commit without waiting for the WAL flush: a mark lost in a Postgres crash only
+        re-publishes its rows (the at-least-once side, absorbed by the consumers)."""
         acked = self._acked
         if not acked:
             return 0
@@ -272,7 +337,11 @@ class OutboxRelay:
         for event_type in sorted({r[5] for r in acked}):
             faults.point(f"relay_after_produce_before_mark:{event_type}")
         self._acked = []
-        conn.execute(Q["outbox_mark_published"], ([r[0] for r in acked],))
+        ids = [r[0] for r in acked]
+        if self._marker is None:
+            conn.execute(Q["outbox_mark_published"], (ids,))
+        else:
+            self._marker.submit(ids)
         self.stats.published += len(acked)
         self.stats.batches += 1
         return len(acked)
@@ -501,14 +570,20 @@ class OutboxRelay:
         """On the way out (stop or error): wait briefly for the rows in flight and mark those
         delivered, so a clean stop re-publishes nothing. Best effort: what is not marked is
         published again by the next active relay."""
-        if self.housekeeping_only or not (self._pending or self._acked):
+        marker = self._marker
+        if marker is None:
             return
         try:
-            self._producer.flush(10)
+            if self._pending:
+                self._producer.flush(10)
             self.mark(conn)
+            marker.close()
+            marker.check()
         except Exception as exc:  # Postgres gone: the next relay re-publishes
             log.info("could not mark the last delivered rows (%s); they will be published "
                      "again", exc)
+        finally:
+            self._marker = None
         self._reset_pipeline()
 
     def run(self) -> RelayStats:
@@ -528,6 +603,9 @@ class OutboxRelay:
                     # The marks commit without waiting for the WAL flush (see mark()).
                     conn.execute(Q["relay_session_async_commit"])
                     self._reset_pipeline()
+                    if not self.housekeeping_only:
+                        self._marker = Marker(self.settings.database_url)
+                        self._marker.start()
                     try:
                         self._relay_loop(conn)
                     finally:

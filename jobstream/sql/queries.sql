@@ -425,6 +425,15 @@ UPDATE job SET trace_id = %s WHERE job_id = %s AND trace_id IS NULL;
 SELECT id, topic, kafka_key, payload, headers, event_type FROM outbox
  WHERE published_at IS NULL AND id > %s ORDER BY id LIMIT %s;
 
+-- name: outbox_unpublished_ids
+-- The relay looking below its last id for rows of transactions that committed late: ids only
+-- (most are rows it has in flight), between its floor and its last id.
+SELECT id FROM outbox WHERE published_at IS NULL AND id > %s AND id <= %s ORDER BY id LIMIT %s;
+
+-- name: outbox_fetch_ids
+SELECT id, topic, kafka_key, payload, headers, event_type FROM outbox
+ WHERE id = ANY(%s) AND published_at IS NULL ORDER BY id;
+
 -- name: relay_session_async_commit
 -- The relay's marks commit without waiting for the WAL flush: losing one in a crash only
 -- re-publishes rows already delivered (at-least-once; consumers are idempotent).

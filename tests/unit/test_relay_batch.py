@@ -30,12 +30,19 @@ class FakeConn:
         conn = self
 
         class Cur:
+            result: list[tuple[Any, ...]] = []
+
             def execute(self, q: str, params: Any) -> Any:
                 conn.executed.append((q, params))
+                if q == Q["outbox_fetch_after"]:  # unpublished rows after an id
+                    after, limit = params
+                    self.result = [r for r in conn.rows if r[0] > after][:limit]
+                else:  # rows the relay looks for below its last id: none in these tests
+                    self.result = []
                 return self
 
             def fetchall(self) -> list[tuple[Any, ...]]:
-                return conn.rows
+                return self.result
 
         yield Cur()
 

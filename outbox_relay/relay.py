@@ -5,19 +5,21 @@ Protocol (design.md, "Outbox relay"):
 1. One active relay: a session-level ``pg_try_advisory_lock`` held on a dedicated connection;
    other relays stand by and take over when that connection dies. This keeps per-key order
    without partitioning the outbox (the simpler of the two designs the doc allows).
-2. Read unpublished rows in id order (``published_at IS NULL``). Rows are marked, never skipped
-   past a high-water mark, so a transaction that commits late with a lower id is still
-   published on the next poll (no loss under sequence gaps).
-3. Produce the batch with an idempotent producer (``enable.idempotence=true``, ``acks=all``),
-   ``flush()``, and check every delivery report.
-4. Only then mark the delivered rows published. A crash between 3 and 4 re-publishes the batch:
-   that is the at-least-once side, absorbed by idempotent consumers. A row that can never be
+2. Read unpublished rows in id order (``published_at IS NULL``): after the last id fetched
+   while a backlog drains, otherwise from a floor that trails by ``relay_late_commit_s``
+   (and from id 0 every ``relay_full_rescan_s``), so a transaction that commits late with a
+   lower id is still published (see "the pipelined loop" below and docs/design-notes.md).
+3. Produce with an idempotent producer (``enable.idempotence=true``, ``acks=all``) without
+   waiting: up to ``relay_max_in_flight`` rows are in flight while the next batch is fetched.
+4. Mark a row published only after its delivery report said so, in the reports' order, on the
+   marker thread's own connection. A crash between 3 and 4 re-publishes those rows: that is
+   the at-least-once side, absorbed by idempotent consumers. A row that can never be
    delivered (over ``message.max.bytes`` = ``kafka_message_max_bytes``, refused by its topic,
-   unserialisable) is isolated: a row the broker refused is re-sent alone (its batch-mates may
-   be the reason), and if it fails alone it is parked in the ``dead_letter`` table with the
-   broker's reason, its outbox row deleted and its job failed (``undeliverable_event``) in one
-   transaction; the relay goes on. Rows that failed with a retriable error stay unpublished
-   and are re-sent after a backoff (0.5 s doubling to ``relay_backoff_cap_s``).
+   unserialisable) is isolated: a row the broker refused is re-sent alone (its batch-mates
+   may be the reason), and if it fails alone it is parked in the ``dead_letter`` table with
+   the broker's reason, its outbox row deleted and its job failed (``undeliverable_event``)
+   in one transaction; the relay goes on. Rows that failed with a retriable error stay
+   unpublished and are re-sent after a backoff (0.5 s doubling to ``relay_backoff_cap_s``).
 5. Wake on ``LISTEN outbox_v1`` (a NOTIFY is sent by a trigger at commit); fall back to polling
    every ``relay_poll_interval_s``. Every ``gc_interval_s`` the active relay runs retention
    (:mod:`jobstream.retention`): published outbox rows, idempotent-consumer rows and
@@ -147,7 +149,10 @@ class Marker(threading.Thread):
         """Finish the queued marks, stop the thread, close its connection."""
         self._queue.put(None)
         self.join(60)
-        self._conn.close()
+        try:
+            self._conn.close()
+        except Exception as exc:  # a connection already broken
+            log.debug("marker connection close: %s", exc)
 
 
 class OutboxRelay:
@@ -514,9 +519,11 @@ class OutboxRelay:
         fetch = True
         while not self._stop.is_set():
             try:
+                published = self.stats.published
                 n = 0 if self.housekeeping_only else self.pump(conn, fetch=fetch)
                 health.ok()
-                retry_s = 0.5
+                if self.stats.published > published:  # deliveries succeed (again)
+                    retry_s = 0.5
             except DeliveryFailed as exc:
                 log.warning("delivery failed; re-sending the undelivered rows in "
                             "%.1fs: %s", retry_s, exc)
@@ -528,6 +535,10 @@ class OutboxRelay:
             except Exception:  # a bug must not stop the outbox for everyone
                 log.exception("relay batch failed; retrying in %.1fs", retry_s)
                 self._give_up_in_flight()
+                if self._marker is not None and self._marker.error is not None:
+                    self._marker.close()  # its unmarked rows are fetched again
+                    self._marker = Marker(self.settings.database_url)
+                    self._marker.start()
                 self._stop.wait(retry_s)
                 retry_s = min(retry_s * 2, self.settings.relay_backoff_cap_s)
                 continue
@@ -577,13 +588,15 @@ class OutboxRelay:
             if self._pending:
                 self._producer.flush(10)
             self.mark(conn)
-            marker.close()
-            marker.check()
         except Exception as exc:  # Postgres gone: the next relay re-publishes
             log.info("could not mark the last delivered rows (%s); they will be published "
                      "again", exc)
         finally:
             self._marker = None
+            marker.close()  # runs the marks queued so far
+        if marker.error is not None:
+            log.info("could not mark the last delivered rows (%s); they will be published "
+                     "again", marker.error)
         self._reset_pipeline()
 
     def run(self) -> RelayStats:

@@ -360,16 +360,17 @@ class OutboxRelay:
         (they stay unpublished; the caller backs off)."""
         if wait:
             self._producer.flush(60)
-        retriable = [(row, None) for row in self._pending.values()] if wait else []
+        retriable: list[tuple[tuple[Any, ...], KafkaError | None]] = (
+            [(row, None) for row in self._pending.values()] if wait else [])
         if wait:
             self._pending.clear()
         retriable += [(row, err) for row, err in self._failed if not _permanent(err)]
         lone = [row for row, err in self._failed if _permanent(err)]
         refused, self._refused, self._failed = self._refused, [], []
         for row in lone:  # isolate: one row alone in its produce request
-            alone, why = self._send([row])
-            if 0 in why:
-                refused.append((row, why[0]))
+            alone, refusal = self._send([row])
+            if 0 in refusal:
+                refused.append((row, refusal[0]))
             elif alone.get(0, _MISSING) is None:
                 self._acked.append(row)
             elif 0 in alone and _permanent(alone[0]):

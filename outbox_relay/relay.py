@@ -264,25 +264,22 @@ class OutboxRelay:
             # skipped) or already published in the query's snapshot.
             marking = set(self._marker.marking) if self._marker is not None else set()
             hwm = self._hwm
-            # Ids only (rows in flight are the most of them), then the late rows by id.
+            # One statement: late rows between the floor and the last id (those in flight or
+            # being marked skipped), then new rows after the last id.
+            skip = list(pending.keys() | marking)
             with conn.cursor(row_factory=tuple_row) as cur:
-                ids = [r[0] for r in cur.execute(
-                    Q["outbox_unpublished_ids"],
-                    (floor, hwm, n + len(pending) + len(marking))).fetchall()]
-                late = [i for i in ids if i not in pending and i not in marking][:n]
-                rows = cur.execute(Q["outbox_fetch_ids"], (late,)).fetchall() if late else []
-                if len(rows) < n:
-                    rows += cur.execute(Q["outbox_fetch_after"],
-                                        (hwm, n - len(rows))).fetchall()
+                rows = cur.execute(Q["outbox_fetch_late_and_new"],
+                                   {"floor": floor, "hwm": hwm, "skip": skip,
+                                    "n": n}).fetchall()[:n]
             # Below ``low`` every row was published, or not yet visible: committed by a
             # transaction that was still open now (it has its id already).
-            low = min(ids[0] if ids else hwm + 1, min(pending) if pending else hwm + 1,
-                      hwm + 1) - 1
+            late = rows[0][0] if rows and rows[0][0] <= hwm else hwm + 1
+            low = min(late, min(skip) if skip else hwm + 1) - 1
             floors.append((now, low))
             self._last_rescan = now
         self._draining = len(rows) >= n
         if rows:
-            self._hwm = max(self._hwm, rows[-1][0])
+            self._hwm = max(self._hwm, max(r[0] for r in rows))
         return rows
 
     def _forget_floor(self) -> None:

@@ -425,14 +425,18 @@ UPDATE job SET trace_id = %s WHERE job_id = %s AND trace_id IS NULL;
 SELECT id, topic, kafka_key, payload, headers, event_type FROM outbox
  WHERE published_at IS NULL AND id > %s ORDER BY id LIMIT %s;
 
--- name: outbox_unpublished_ids
--- The relay looking below its last id for rows of transactions that committed late: ids only
--- (most are rows it has in flight), between its floor and its last id.
-SELECT id FROM outbox WHERE published_at IS NULL AND id > %s AND id <= %s ORDER BY id LIMIT %s;
-
--- name: outbox_fetch_ids
-SELECT id, topic, kafka_key, payload, headers, event_type FROM outbox
- WHERE id = ANY(%s) AND published_at IS NULL ORDER BY id;
+-- name: outbox_fetch_late_and_new
+-- The relay's look from its floor (outbox_relay/relay.py, "the pipelined loop"): rows of
+-- transactions that committed late, between the floor and its last id, except those it has
+-- in flight or is marking (%(skip)s; `<> ALL` is hashed), then rows after its last id; in
+-- id order within each part, late rows first.
+(SELECT id, topic, kafka_key, payload, headers, event_type FROM outbox
+  WHERE published_at IS NULL AND id > %(floor)s AND id <= %(hwm)s
+    AND id <> ALL(%(skip)s::bigint[])
+  ORDER BY id LIMIT %(n)s)
+UNION ALL
+(SELECT id, topic, kafka_key, payload, headers, event_type FROM outbox
+  WHERE published_at IS NULL AND id > %(hwm)s ORDER BY id LIMIT %(n)s);
 
 -- name: relay_session_async_commit
 -- The relay's marks commit without waiting for the WAL flush: losing one in a crash only

@@ -37,7 +37,9 @@ class FakeConn:
                 if q == Q["outbox_fetch_after"]:  # unpublished rows after an id
                     after, limit = params
                     self.result = [r for r in conn.rows if r[0] > after][:limit]
-                else:  # rows the relay looks for below its last id: none in these tests
+                elif q == Q["outbox_fetch_late_and_new"]:  # no late rows in these tests
+                    self.result = [r for r in conn.rows if r[0] > params["hwm"]][:params["n"]]
+                else:
                     self.result = []
                 return self
 

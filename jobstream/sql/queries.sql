@@ -53,7 +53,7 @@ INSERT INTO job_request (tenant_id, idempotency_key, request_hash, job_id, reque
 VALUES (%s, %s, %s, %s, %s);
 
 -- name: insert_done_stage
--- The intake checkpoint: the "uploaded" stage is done when the job exists.
+-- The intake checkpoint: the "intake" stage is done when the job exists.
 INSERT INTO job_stage (job_id, stage, status, attempt, input_hash, code_version, output,
                        emitted, started_at, finished_at)
 VALUES (%s, %s, 'succeeded', 1, %s, %s, %s, %s, now(), now());
@@ -300,7 +300,7 @@ UPDATE job SET status = 'running', current_stage = %s, cost_usd = cost_usd + %s,
  WHERE job_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled');
 
 -- name: succeed_job
-UPDATE job SET status = 'succeeded', current_stage = 'published', charge_usd = %s,
+UPDATE job SET status = 'succeeded', current_stage = 'publish', charge_usd = %s,
                finished_at = now(), updated_at = now()
  WHERE job_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled');
 
@@ -337,7 +337,7 @@ SELECT idx, text, text_sha256, llm_output FROM chunk WHERE job_id = %s ORDER BY 
 UPDATE chunk c SET llm_output = %(output)s, llm_attempt_id = %(attempt_id)s
  WHERE c.job_id = %(job_id)s AND c.idx = %(idx)s AND c.llm_output IS NULL
    AND EXISTS (SELECT 1 FROM job_stage s
-                WHERE s.job_id = c.job_id AND s.stage = 'llm_done'
+                WHERE s.job_id = c.job_id AND s.stage = 'llm'
                   AND s.run_token = %(run_token)s AND s.status = 'running')
    AND EXISTS (SELECT 1 FROM job j WHERE j.job_id = c.job_id
                 AND j.generation = %(generation)s);
@@ -545,7 +545,7 @@ SELECT j.job_id, j.tenant_id, j.status, j.current_stage, j.lane, j.filename, j.p
        j.cancel_requested_at, j.error_code, j.error, j.charge_usd, j.created_at,
        j.finished_at, j.generation,
        (SELECT min(s.started_at) FROM job_stage s
-         WHERE s.job_id = j.job_id AND s.stage <> 'uploaded') AS first_started_at,
+         WHERE s.job_id = j.job_id AND s.stage <> 'intake') AS first_started_at,
        (SELECT coalesce(sum(a.cost_usd), 0)::float8 FROM provider_attempt a
          WHERE a.job_id = j.job_id) AS cost_so_far_usd
   FROM job j WHERE j.job_id = %s AND j.tenant_id = %s;
@@ -598,11 +598,13 @@ SELECT b.batch_id, b.lane, b.cancel_requested, b.created_at, count(*) AS jobs,
 -- ---------------------------------------------------------------- shared provider limit (AIMD)
 
 -- name: limit_ensure
-INSERT INTO provider_limit (profile, limit_now, max_limit, interactive_reserved)
-VALUES (%s, %s, %s, %s)
+-- A new profile starts in slow start: the initial window, ssthresh at the ceiling.
+INSERT INTO provider_limit (profile, limit_now, max_limit, interactive_reserved, ssthresh)
+VALUES (%(profile)s, %(initial)s, %(max_limit)s, %(reserved)s, %(max_limit)s)
 ON CONFLICT (profile) DO UPDATE SET max_limit = EXCLUDED.max_limit,
        interactive_reserved = EXCLUDED.interactive_reserved,
-       limit_now = least(provider_limit.limit_now, EXCLUDED.max_limit);
+       limit_now = least(provider_limit.limit_now, EXCLUDED.max_limit),
+       ssthresh = least(provider_limit.ssthresh, EXCLUDED.max_limit);
 
 -- name: limit_lock
 SELECT limit_now, max_limit, interactive_reserved FROM provider_limit WHERE profile = %s
@@ -624,17 +626,31 @@ RETURNING slot_id;
 DELETE FROM provider_slot WHERE slot_id = %s;
 
 -- name: limit_increase
--- Additive increase: one more slot per window's worth of successes (RFC 5681 §3.1).
-UPDATE provider_limit SET limit_now = least(max_limit, limit_now + 1.0 / greatest(limit_now, 1)),
-                          updated_at = now()
- WHERE profile = %s;
+-- A success (RFC 5681 §3.1): below ssthresh slow start, +1 (up to ssthresh); above it
+-- congestion avoidance, +1/window (one slot per window's worth of successes). A call that was
+-- in flight when the window last halved (slot_id <= recover_slot_id) does not grow it.
+UPDATE provider_limit
+   SET limit_now = least(max_limit, CASE WHEN limit_now < ssthresh
+                                         THEN least(ssthresh, limit_now + 1)
+                                         ELSE limit_now + 1.0 / greatest(limit_now, 1) END),
+       updated_at = now()
+ WHERE profile = %(profile)s AND %(slot_id)s > recover_slot_id;
 
 -- name: limit_decrease
--- Multiplicative decrease on 429, at most once per window (a burst of 429s is one signal).
-UPDATE provider_limit SET limit_now = greatest(1, limit_now / 2), decreases = decreases + 1,
-                          last_decrease_at = now(), updated_at = now()
- WHERE profile = %s AND last_decrease_at < now() - make_interval(secs => %s)
-RETURNING limit_now;
+-- A 429 on a slot taken after the latest decrease (RFC 6582 §3.2 "recover"; once per window,
+-- RFC 3168 §6.1.2): window and ssthresh become half the calls in flight (RFC 5681 eq. 4,
+-- FlightSize/2, floor 1), and every call in flight now belongs to the answered overload. Run
+-- with the profile's row locked (limit_lock) and before the slot is released, so the count
+-- sees every slot taken so far, this one included.
+UPDATE provider_limit l
+   SET limit_now = greatest(1, least(l.limit_now, f.n) / 2.0),
+       ssthresh = greatest(1, least(l.limit_now, f.n) / 2.0),
+       recover_slot_id = f.last_slot_id, decreases = l.decreases + 1,
+       last_decrease_at = now(), updated_at = now()
+  FROM (SELECT count(*) AS n, coalesce(max(slot_id), 0) AS last_slot_id
+          FROM provider_slot WHERE profile = %(profile)s) f
+ WHERE l.profile = %(profile)s AND %(slot_id)s > l.recover_slot_id
+RETURNING l.limit_now;
 
 -- name: limit_state
 SELECT profile, limit_now, max_limit, interactive_reserved, decreases,
@@ -664,7 +680,7 @@ SELECT stage, coalesce(sum(attempt), 0)::bigint AS runs,
        coalesce(sum(greatest(attempt - 1, 0)), 0)::bigint AS retries,
        coalesce(sum(lease_takeovers), 0)::bigint AS lease_takeovers,
        count(*) FILTER (WHERE status = 'running' AND lease_until < now()) AS expired_now
-  FROM job_stage WHERE stage <> 'uploaded' GROUP BY stage;
+  FROM job_stage WHERE stage <> 'intake' GROUP BY stage;
 
 -- name: metrics_provider_attempts
 -- Provider attempts per outcome and model profile, with their cost (USD) and how many the
@@ -682,7 +698,7 @@ WITH d AS (
            greatest(extract(epoch FROM s.finished_at - s.started_at), 0)::float8 AS v
       FROM job_stage s JOIN job j USING (job_id)
      WHERE s.finished_at >= now() - make_interval(secs => %(window_s)s)
-       AND s.status = 'succeeded' AND s.stage <> 'uploaded' AND s.started_at IS NOT NULL)
+       AND s.status = 'succeeded' AND s.stage <> 'intake' AND s.started_at IS NOT NULL)
 SELECT stage, lane,
        (SELECT count(*) FROM unnest(%(bounds)s::float8[]) AS b(le) WHERE b.le < d.v) AS idx,
        count(*) AS n, sum(v)::float8 AS sum_s

@@ -800,6 +800,6 @@ def main(settings: Settings, host: str, port: int) -> int:
     app = create_app(settings)
     health.setup("api", settings, probe=app.state.ctx.store.probe, serve=False)
     # JSON logs: uvicorn's loggers propagate to the root handler instead of their own.
-    uvicorn.run(app, host=host, port=port, log_level="info",
-                **({"log_config": None} if settings.log_format == "json" else {}))
+    extra: dict[str, Any] = {"log_config": None} if settings.log_format == "json" else {}
+    uvicorn.run(app, host=host, port=port, log_level="info", **extra)
     return 0

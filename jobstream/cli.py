@@ -149,7 +149,7 @@ def connect_delete() -> None:
         raise click.ClickException(str(exc)) from None
 
 
-def _print_connect_status(st: dict) -> None:  # type: ignore[type-arg]
+def _print_connect_status(st: dict) -> None:
     click.echo(f"connector {st['connector']}: {st['state']}"
                + (f" ({st['connect_error']})" if st.get("connect_error") else ""))
     for t in st["tasks"]:
@@ -288,17 +288,17 @@ _api_token = click.option("--token", envvar="JOBSTREAM_API_TOKEN", required=True
 _TERMINAL = ("succeeded", "failed", "cancelled", "needs_reconciliation")
 
 
-def _client(api_url: str, token: str):  # type: ignore[no-untyped-def]
+def _client(api_url: str, token: str):
     from jobstream.client import ApiClient
     _quiet_http_client()
     return ApiClient(api_url, token)
 
 
-def _api_errors(fn):  # type: ignore[no-untyped-def]
+def _api_errors(fn):
     import functools
 
     @functools.wraps(fn)
-    def wrapper(*a, **kw):  # type: ignore[no-untyped-def]
+    def wrapper(*a, **kw):
         from jobstream.client import ApiError
         try:
             return fn(*a, **kw)
@@ -307,7 +307,7 @@ def _api_errors(fn):  # type: ignore[no-untyped-def]
     return wrapper
 
 
-def _follow(client, ids: list[str], what: str) -> list[dict]:  # type: ignore[no-untyped-def]
+def _follow(client, ids: list[str], what: str) -> list[dict]:
     """Poll jobs until each has ended or waits for a person, with a progress bar of jobs
     finished (a failed job is finished too: the bar never stops short); returns the final
     views."""
@@ -325,7 +325,7 @@ def _follow(client, ids: list[str], what: str) -> list[dict]:  # type: ignore[no
             time.sleep(0.5)
 
 
-def _print_jobs(views: list[dict]) -> None:  # type: ignore[type-arg]
+def _print_jobs(views: list[dict]) -> None:
     """One row per job: status, the stage it is at (for a failed job: the stage that failed),
     the error code."""
     t = Table()
@@ -339,16 +339,16 @@ def _print_jobs(views: list[dict]) -> None:  # type: ignore[type-arg]
     Console().print(t)
 
 
-def _summary(views: list[dict]) -> int:  # type: ignore[type-arg]
+def _summary(views: list[dict]) -> int:
     """Print the summary table of finished jobs (succeeded / failed with their stages and error
     codes / cancelled / waiting for an operator); returns the exit code: 1 when a job failed
     or waits for reconciliation, else 0 (a cancelled job is what its owner asked for)."""
     from collections import Counter
-    by: dict[str, list[dict]] = {}  # type: ignore[type-arg]
+    by: dict[str, list[dict]] = {}
     for v in views:
         by.setdefault(v["status"], []).append(v)
 
-    def codes(vs: list[dict]) -> str:  # type: ignore[type-arg]
+    def codes(vs: list[dict]) -> str:
         c = Counter(f"{v['error_code'] or '?'} at {v['current_stage']}" for v in vs)
         return ", ".join(f"{k} ×{n}" if n > 1 else k for k, n in sorted(c.items()))
     t = Table(title=f"{len(views)} jobs")
@@ -506,7 +506,7 @@ def batch(files: tuple[Path, ...], api_url: str, token: str, idempotency_key: st
         sys.exit(_summary([client.job(i) for i in b["job_ids"]]))
 
 
-def _ctx():  # type: ignore[no-untyped-def]
+def _ctx():
     from jobstream.stages import StageContext
     from jobstream.store import Store
     s = get_settings()
@@ -520,7 +520,7 @@ def _ctx():  # type: ignore[no-untyped-def]
                                  "published"]),
               help="Stage to restart at (default: the first one that did not succeed). "
                    "Finished stages with unchanged code are re-emitted, not redone.")
-def redrive(job_id, from_stage: str | None) -> None:  # type: ignore[no-untyped-def]
+def redrive(job_id, from_stage: str | None) -> None:
     """Send a failed, parked or finished job through its stages again."""
     from jobstream.stages import redrive as do_redrive
     try:
@@ -535,7 +535,7 @@ def redrive(job_id, from_stage: str | None) -> None:  # type: ignore[no-untyped-
 @click.option("--retry", "resolution", flag_value="retry",
               help="Call the provider again for the chunks without an answer.")
 @click.option("--fail", "resolution", flag_value="fail", help="End the job as failed.")
-def reconcile(job_id, resolution: str | None) -> None:  # type: ignore[no-untyped-def]
+def reconcile(job_id, resolution: str | None) -> None:
     """List jobs parked in needs_reconciliation (no JOB_ID), or resolve one.
 
     A job is parked when a batch-lane provider call timed out after it was sent: the provider

@@ -9,6 +9,7 @@ two connection settings also accept the conventional ``DATABASE_URL`` and
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any, Literal
 
@@ -377,7 +378,7 @@ class Settings(BaseSettings):
         """The libpq URL of the job store, password included (do not log it)."""
         return self.database_dsn.get_secret_value()
 
-    def model_copy(self, *, update: dict[str, Any] | None = None,
+    def model_copy(self, *, update: Mapping[str, Any] | None = None,
                    deep: bool = False) -> Settings:
         """A copy with ``update`` applied; ``database_url`` is accepted for ``database_dsn``."""
         if update and "database_url" in update:

@@ -182,7 +182,7 @@ def _pdf_text(content: bytes, limits: ExtractLimits) -> tuple[str, int]:
     cap = limits.max_stream_bytes
     if hasattr(pypdf, "overwrite_configuration"):  # pypdf >= 7: one configuration object
         known = {f.name for f in dataclasses.fields(pypdf.Configuration)}
-        pypdf.overwrite_configuration(**{name: cap for name in (
+        pypdf.overwrite_configuration(None, **{name: cap for name in (
             "maximum_declared_stream_length", "array_based_stream_maximum_output_length",
             "jbig2_maximum_output_length", "lzw_maximum_output_length",
             "run_length_maximum_output_length", "zlib_maximum_output_length",
@@ -294,6 +294,7 @@ def chunk_text(text: str, size: int) -> list[Chunk]:
         elif end - cur_start <= size:
             cur_end = end
         else:
+            assert cur_end is not None  # set together with cur_start
             chunks.append(Chunk(len(chunks), cur_start, cur_end, text[cur_start:cur_end]))
             cur_start, cur_end = start, end
     if cur_start is not None and cur_end is not None:

@@ -41,7 +41,7 @@ from psycopg.rows import tuple_row
 
 from jobstream import faults, health
 from jobstream.db import QUERIES as Q
-from jobstream.db import connect
+from jobstream.db import Conn, connect
 from jobstream.kafka import producer_config
 from jobstream.settings import Settings
 
@@ -117,7 +117,7 @@ class OutboxRelay:
         """Ask the relay loop to finish its current batch and return."""
         self._stop.set()
 
-    def publish_batch(self, conn: psycopg.Connection) -> int:
+    def publish_batch(self, conn: Conn) -> int:
         """Publish one batch of unpublished rows; returns how many rows it settled (delivered
         and marked, or parked).
 
@@ -214,7 +214,7 @@ class OutboxRelay:
         self._producer.flush(60)
         return reports, refused
 
-    def park(self, conn: psycopg.Connection, row: tuple[Any, ...], why: str) -> None:
+    def park(self, conn: Conn, row: tuple[Any, ...], why: str) -> None:
         """Move an outbox row that can never be delivered to the ``dead_letter`` table (ONE
         transaction): keep its bytes, headers and the broker's reason, delete the outbox row,
         and fail its job (``undeliverable_event``, with a ``job.failed`` event) when the row
@@ -238,7 +238,7 @@ class OutboxRelay:
         log.error("parked outbox row %d (%s to %s) as dead_letter id=%d: %s%s", outbox_id,
                   event_type, topic, dl_id, why, f"; job {job_id} failed" if failed else "")
 
-    def _fail_job(self, conn: psycopg.Connection, job_id: uuid.UUID | None, error: str) -> bool:
+    def _fail_job(self, conn: Conn, job_id: uuid.UUID | None, error: str) -> bool:
         """Fail an open job (its open stages too) with ``undeliverable_event`` and write its
         ``job.failed`` to the outbox, in the caller's transaction. False when there is no
         such job or it is already terminal."""
@@ -265,7 +265,7 @@ class OutboxRelay:
             self.settings.topic(topic_for("job.failed", None)), ev))
         return True
 
-    def _acquire_lock(self, conn: psycopg.Connection) -> bool:
+    def _acquire_lock(self, conn: Conn) -> bool:
         standing_by = False
         while not self._stop.is_set():
             lock = HOUSEKEEPING_LOCK_ID if self.housekeeping_only else RELAY_LOCK_ID

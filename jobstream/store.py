@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -213,7 +213,7 @@ class Store:
     def intake(self, *, tenant_id: str, idempotency_key: str, request_hash: str,
                request_id: str, job: dict[str, Any], content: bytes,
                accepted: Any, topic: str, conn: Conn | None = None,
-               extra: list[OutboxMessage] = (),  # type: ignore[assignment]
+               extra: Sequence[OutboxMessage] = (),
                restart: Any = None) -> IntakeResult:
         """Create a job for one client intent, in ONE transaction: document, job, idempotency
         record, ``uploaded`` checkpoint and the ``job.accepted`` outbox row (plus ``extra``

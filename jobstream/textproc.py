@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from jobstream.errors import PermanentError, RetryableError
 
@@ -146,9 +147,9 @@ def _run_pdf_child(content: bytes, limits: ExtractLimits) -> tuple[str, int]:
     return answer["text"], answer["page_count"]
 
 
-def _has_images(page: object) -> bool:
+def _has_images(page: Any) -> bool:  # a pypdf PageObject: PDF objects are dynamically typed
     try:
-        xobjects = page["/Resources"].get_object().get("/XObject")  # type: ignore[index]
+        xobjects = page["/Resources"].get_object().get("/XObject")
         if xobjects is None:
             return False
         xobjects = xobjects.get_object()
@@ -157,10 +158,10 @@ def _has_images(page: object) -> bool:
         return False
 
 
-def _decode_contents(page: object) -> None:
+def _decode_contents(page: Any) -> None:  # a pypdf PageObject
     """Decode the page's content streams (pypdf caches the result for ``extract_text``), so a
     decompression limit raises here instead of silently giving an empty page."""
-    contents = page.get("/Contents")  # type: ignore[attr-defined]
+    contents = page.get("/Contents")
     if contents is None:
         return
     contents = contents.get_object()

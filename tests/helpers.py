@@ -62,7 +62,7 @@ class ProcessRunner(_ProcessRunner):
 def query(url: str, q: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
     """Run one read-only test query (test-only SQL: assertions over the store's tables)."""
     with psycopg.connect(url, row_factory=dict_row, autocommit=True) as conn:
-        return conn.execute(q, params).fetchall()  # type: ignore[arg-type]
+        return conn.execute(q, params).fetchall()  # type: ignore[arg-type]  # q: a str, not a LiteralString
 
 
 def wait_pipeline_drained(settings: Settings, procs: ProcessRunner, timeout_s: float = 60.0

@@ -53,7 +53,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jobstream import idempotency, logs, metrics, tracing
 from jobstream.db import QUERIES as Q
 from jobstream.errors import IdempotencyConflict, PoisonMessage, RetryableError
-from jobstream.keys import request_hash
 from jobstream.settings import Settings
 from jobstream.stages import StageContext, handle_intake
 from jobstream.store import STAGES, TERMINAL, IntakeResult, Store
@@ -475,16 +474,6 @@ def event_for(settings: Settings, tenant: str, key: str, req: JobRequest,
         raise _invalid_request(exc) from None
 
 
-def _request_hash(ev: DocumentUploaded) -> str:
-    """The request hash of one document's intent: the same fields as the job endpoint's
-    (:func:`jobstream.keys.request_hash`)."""
-    p = ev.payload
-    return request_hash(document_hash=p.document.sha256, pipeline=p.pipeline,
-                        prompt_version=p.prompt_version, model_profile=p.model_profile,
-                        lane=p.lane, filename=p.document.filename,
-                        content_type=p.document.content_type)
-
-
 def intake_result(ctx: StageContext, ev: DocumentUploaded, conn: Any = None) -> IntakeResult:
     """Transactional intake of one event (:func:`jobstream.stages.handle_intake`); ``conn``
     joins the caller's transaction. Raises :class:`IdempotencyConflict` (409 by the app's
@@ -700,7 +689,8 @@ def create_batch(req: BatchRequest, t: Tenant, idempotency_key: IdemKey, respons
             raise _problem(413, "batch_too_large",
                            f"the batch's documents are over {settings.api_max_batch_bytes} "
                            f"bytes together (at document {i})")
-    rh = idempotency.batch_request_hash([_request_hash(e) for e in events])
+    rh = idempotency.batch_request_hash(
+        [idempotency.document_request_hash(e.payload) for e in events])
     with ctx.store.tx() as conn:
         # A concurrent identical request waits here for the first one's transaction; then
         # it finds the batch and replays it (no unique violation, no 500).

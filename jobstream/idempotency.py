@@ -17,7 +17,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jobstream.errors import IdempotencyConflict
-from jobstream.keys import canonical_json, sha256_hex
+from jobstream.keys import canonical_json, request_hash, sha256_hex
+from schemas.events import DocumentUploadedPayload
 
 
 def bound_target(record: Mapping[str, Any] | None, *, key: str, request_hash: str,
@@ -53,6 +54,18 @@ def bound_target(record: Mapping[str, Any] | None, *, key: str, request_hash: st
         raise IdempotencyConflict(f"idempotency key {key!r} was used for another request body "
                                   f"({target} {target_id})")
     return target_id
+
+
+def document_request_hash(payload: DocumentUploadedPayload,
+                          document_hash: str | None = None) -> str:
+    """The request hash of one document's intent (64 hex chars): every field that changes the
+    job (:func:`jobstream.keys.request_hash`). ``document_hash``: the sha256 of the bytes
+    actually read, when known (intake); else the one the payload declares."""
+    return request_hash(document_hash=document_hash or payload.document.sha256,
+                        pipeline=payload.pipeline, prompt_version=payload.prompt_version,
+                        model_profile=payload.model_profile, lane=payload.lane,
+                        filename=payload.document.filename,
+                        content_type=payload.document.content_type)
 
 
 def batch_request_hash(document_hashes: Sequence[str]) -> str:

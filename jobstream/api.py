@@ -2,7 +2,7 @@
 
 The tenant comes from the bearer token (``JOBSTREAM_API_TOKENS``), never from the body. Job
 creation goes through the same transactional intake as ``document.uploaded``
-(:func:`jobstream.stages.handle_intake`): the job, its idempotency record, its first checkpoint
+(:func:`streams.intake.handle_intake`): the job, its idempotency record, its first checkpoint
 and its outbox row commit together before the 202 is sent. ``Idempotency-Key`` is required:
 the same key again returns the same job (200, ``Idempotent-Replayed: true``); the same key with
 another body is 409 (IETF draft "The Idempotency-Key HTTP Header Field", §2.7).
@@ -54,7 +54,6 @@ from jobstream import idempotency, logs, metrics, tracing
 from jobstream.db import QUERIES as Q
 from jobstream.errors import IdempotencyConflict, PoisonMessage, RetryableError
 from jobstream.settings import Settings
-from jobstream.stages import StageContext, handle_intake
 from jobstream.store import STAGES, TERMINAL, IntakeResult, Store
 from schemas.events import (
     NO_CONTROL_CHARS,
@@ -62,6 +61,8 @@ from schemas.events import (
     DocumentUploaded,
     DocumentUploadedPayload,
 )
+from streams.context import StageContext
+from streams.intake import handle_intake
 
 MAX_BATCH = 1000
 #: States in which a job waits for a person, and who: the SSE stream ends on them.
@@ -334,7 +335,7 @@ def app_settings(request: Request) -> Settings:
 
 
 def stage_context(request: Request) -> StageContext:
-    """The app's :class:`~jobstream.stages.StageContext`: settings and the store (its pool of
+    """The app's :class:`~streams.context.StageContext`: settings and the store (its pool of
     Postgres connections), ``app.state.ctx``."""
     ctx: StageContext = request.app.state.ctx
     return ctx
@@ -475,7 +476,7 @@ def event_for(settings: Settings, tenant: str, key: str, req: JobRequest,
 
 
 def intake_result(ctx: StageContext, ev: DocumentUploaded, conn: Any = None) -> IntakeResult:
-    """Transactional intake of one event (:func:`jobstream.stages.handle_intake`); ``conn``
+    """Transactional intake of one event (:func:`streams.intake.handle_intake`); ``conn``
     joins the caller's transaction. Raises :class:`IdempotencyConflict` (409 by the app's
     handler) and ``HTTPException`` 422 with the poison message's code."""
     try:
@@ -519,7 +520,7 @@ def job_view(ctx: StageContext, tenant: str, job_id: uuid.UUID) -> JobView:
         attempts = list(conn.execute(Q["api_job_attempts"], (job_id,)))
         result = None
         if job["status"] == "succeeded":
-            row = conn.execute(Q["get_stage"], (job_id, "validated")).fetchone()
+            row = conn.execute(Q["get_stage"], (job_id, "validate")).fetchone()
             result = row["output"] if row else None
     started, finished = job["first_started_at"], job["finished_at"]
     return JobView(
@@ -528,7 +529,7 @@ def job_view(ctx: StageContext, tenant: str, job_id: uuid.UUID) -> JobView:
         stages_total=len(STAGES), lane=job["lane"], filename=job["filename"],
         pipeline=job["pipeline"], prompt_version=job["prompt_version"],
         model_profile=job["model_profile"],
-        stage_runs=sum(s["attempt"] for s in stages if s["stage"] != "uploaded"),
+        stage_runs=sum(s["attempt"] for s in stages if s["stage"] != STAGES[0]),
         provider_attempts=[AttemptView(**a) for a in attempts],
         cost_so_far_usd=job["cost_so_far_usd"], charge_usd=float(job["charge_usd"]),
         cancel_requested=job["cancel_requested"], error_code=job["error_code"],

@@ -21,9 +21,6 @@ from typing import Any
 
 from jobstream.errors import PermanentError, RetryableError
 
-EXTRACT_VERSION = "extract-1"
-CHUNK_VERSION = "chunk-1"
-
 #: Every code a document can fail extraction with, and what it means.
 DOCUMENT_ERROR_CODES = {
     "empty_document": "no bytes, or no text in them",

@@ -140,7 +140,7 @@ class Pipeline:
     def topic_for(self, event_type: str, lane: str | None) -> str:
         """Logical topic of an event of ``event_type`` for a job of ``lane``."""
         for s in self.stages:
-            if s.consumes == event_type and lane in s.lanes:
+            if s.consumes == event_type and lane is not None and lane in s.lanes:
                 return s.lanes[lane]
         return event_type
 

@@ -98,19 +98,19 @@ class TrackedConsumerMixin:
     tracker: CompletionTracker
 
     def _new_offset(self, tp: Any) -> int | None:
-        acked = self._acked.get(tp)  # type: ignore[attr-defined]
+        acked = self._acked.get(tp)  # type: ignore[attr-defined]  # faust Consumer's, mixed in
         if acked:  # faust's ack bookkeeping is not used: keep it from growing
             acked.clear()
-            self._acked_index[tp].clear()  # type: ignore[attr-defined]
+            self._acked_index[tp].clear()  # type: ignore[attr-defined]  # faust Consumer's
         return self.tracker.committable(tp)
 
     async def on_partitions_revoked(self, revoked: set[Any]) -> None:
-        await super().on_partitions_revoked(revoked)  # type: ignore[misc]
+        await super().on_partitions_revoked(revoked)  # type: ignore[misc]  # the faust base, mixed in
         self.tracker.reset(revoked)
 
     async def on_partitions_assigned(self, assigned: set[Any], generation_id: int = 0) -> None:
         self.tracker.reset(assigned)
-        await super().on_partitions_assigned(assigned, generation_id)  # type: ignore[misc]
+        await super().on_partitions_assigned(assigned, generation_id)  # type: ignore[misc]  # faust's
 
 
 def install(app: faust.App) -> CompletionTracker:
@@ -119,7 +119,7 @@ def install(app: faust.App) -> CompletionTracker:
     tracker = CompletionTracker()
     transport = app.transport
     base = transport.Consumer
-    transport.Consumer = type("TrackedConsumer", (TrackedConsumerMixin, base),
-                              {"tracker": tracker})
-    app.completion_tracker = tracker  # type: ignore[attr-defined]
+    tracked: type = type("TrackedConsumer", (TrackedConsumerMixin, base), {"tracker": tracker})
+    transport.Consumer = tracked  # type: ignore[misc]  # a ClassVar; only this app's transport
+    app.completion_tracker = tracker  # type: ignore[attr-defined]  # our attribute on faust.App
     return tracker

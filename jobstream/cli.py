@@ -91,7 +91,7 @@ def demo(tenant: str | None, timeout_s: float, no_services: bool) -> None:
 
     Exits 0 only when every job succeeded and every job.ready was applied exactly once.
     """
-    from jobstream import demo as demo_mod
+    from jobstream.drills import demo as demo_mod
     logging.getLogger().setLevel(logging.WARNING)
     sys.exit(demo_mod.run(get_settings(), tenant=tenant, timeout_s=timeout_s,
                           services=not no_services))
@@ -812,7 +812,7 @@ def dlq_replay(topic: str, reason_codes: tuple[str, ...], limit: int | None, dry
 
 @main.command()
 @click.option("--points", help="Comma-separated fault specs <point>[:<event_type>][@N] "
-              "(default: every point, each fired mid-batch; see jobstream/chaos.py).")
+              "(default: every point, each fired mid-batch; see jobstream/drills/chaos.py).")
 @click.option("--jobs", default=5, show_default=True, help="Documents submitted per point.")
 @click.option("--keep", is_flag=True, help="Keep every scratch database and topic, not only "
               "those of failed points.")
@@ -828,7 +828,7 @@ def chaos(points: str | None, jobs: int, keep: bool, mode: str) -> None:
     Each point runs in a scratch database and topic prefix on the configured servers, with a
     fake OpenAI-compatible provider on loopback. Exits 0 only when every point passed.
     """
-    from jobstream import chaos as chaos_mod
+    from jobstream.drills import chaos as chaos_mod
     faults = [p.strip() for p in points.split(",") if p.strip()] if points else list(
         chaos_mod.PAUSE_PLAN if mode == "pause" else chaos_mod.DEFAULT_PLAN)
     try:
@@ -872,7 +872,7 @@ def chaos(points: str | None, jobs: int, keep: bool, mode: str) -> None:
 @click.option("--port", default=8089, show_default=True, help="Port on 127.0.0.1.")
 @click.option("--script", "script_json", default="{}", show_default=True,
               help='Behaviour script as JSON, e.g. \'{"sequence": [{"status": 429, '
-                   '"retry_after": "1"}]}\' (see jobstream/llm/fake_provider.py).')
+                   '"retry_after": "1"}]}\' (see jobstream/drills/fake_provider.py).')
 def fake_provider(port: int, script_json: str) -> None:
     """Serve a scriptable fake OpenAI-compatible provider on loopback (for fault drills).
 
@@ -881,7 +881,7 @@ def fake_provider(port: int, script_json: str) -> None:
     """
     import json
 
-    from jobstream.llm.fake_provider import FakeProvider
+    from jobstream.drills.fake_provider import FakeProvider
     fp = FakeProvider(json.loads(script_json), port=port)
     click.echo(f"fake provider at {fp.base_url} (GET /_control/calls for counts)")
     try:

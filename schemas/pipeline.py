@@ -6,7 +6,7 @@ is how a test adds a stage): the topics ``jobstream topics`` creates and their `
 ``.dlq`` twins (``jobstream.kafka``), the checkpoint chain the store writes
 (``jobstream.store.STAGES``), the faust agents of ``jobstream worker`` (``streams.app``), the
 CLI's stage choices (``worker --stages``, ``redrive --from``), the chaos invariants
-(``jobstream.chaos``), the AsyncAPI document (``schemas.asyncapi``), the demo's progress and
+(``jobstream.drills.chaos``), the AsyncAPI document (``schemas.asyncapi``), the demo's progress and
 the ``stage`` label of the metrics.
 
 A stage's name is the same everywhere: the faust agent, the checkpoint row

@@ -2,8 +2,8 @@
 with their settings in the environment and their output in a log file each, stopped with
 SIGTERM then SIGKILL.
 
-Tests (``tests/helpers.py``), the crash matrix (:mod:`jobstream.chaos`), the demo
-(:mod:`jobstream.demo`) and the benchmarks (``bench/common.py``) all start their processes
+Tests (``tests/helpers.py``), the crash matrix (:mod:`jobstream.drills.chaos`), the demo
+(:mod:`jobstream.drills.demo`) and the benchmarks (``bench/common.py``) all start their processes
 here: one place decides how a child gets its settings (``JOBSTREAM_*`` variables, never the
 parent's stray ones), where its output goes and how it is reaped.
 

@@ -48,9 +48,9 @@ from psycopg import sql
 
 from jobstream.db import QUERIES as Q
 from jobstream.db import connect, migrate
+from jobstream.drills.fake_provider import FakeProvider
 from jobstream.drills.procs import Proc, ProcessRunner, child_env
 from jobstream.kafka import delete_topics, ensure_topics, group_lag, read_to_end
-from jobstream.llm.fake_provider import FakeProvider
 from jobstream.producer import submit, uploaded_event
 from jobstream.settings import Settings
 from jobstream.store import TERMINAL

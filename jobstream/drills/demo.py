@@ -61,7 +61,7 @@ def run(settings: Settings, *, tenant: str | None, timeout_s: float, services: b
     """Run the demo; returns 0 only when every job succeeded and every result was applied
     exactly once downstream."""
     console = console or Console(width=max(110, Console().width))
-    root = Path(os.environ.get("JOBSTREAM_HOME", Path(__file__).resolve().parents[1] / ".local"))
+    root = Path(os.environ.get("JOBSTREAM_HOME", Path(__file__).resolve().parents[2] / ".local"))
     if services and not (postgres_answers(settings.database_url)
                          and kafka_answers(settings.kafka_bootstrap_servers)):
         console.print("[bold]Starting local Kafka + Postgres[/] (scripts/services.sh up)…")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any, Literal
 
@@ -425,7 +426,7 @@ class Settings(BaseSettings):
         """The libpq URL of the job store, password included (do not log it)."""
         return self.database_dsn.get_secret_value()
 
-    def model_copy(self, *, update: dict[str, Any] | None = None,
+    def model_copy(self, *, update: Mapping[str, Any] | None = None,
                    deep: bool = False) -> Settings:
         """A copy with ``update`` applied; ``database_url`` is accepted for ``database_dsn``."""
         if update and "database_url" in update:

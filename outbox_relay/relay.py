@@ -46,7 +46,7 @@ from psycopg.rows import tuple_row
 
 from jobstream import faults, health
 from jobstream.db import QUERIES as Q
-from jobstream.db import connect
+from jobstream.db import Conn, connect
 from jobstream.kafka import producer_config
 from jobstream.settings import Settings
 
@@ -185,7 +185,7 @@ class OutboxRelay:
         """Ask the relay loop to finish its current batch and return."""
         self._stop.set()
 
-    def publish_batch(self, conn: psycopg.Connection) -> int:
+    def publish_batch(self, conn: Conn) -> int:
         """Publish one batch of unpublished rows and wait for all of it; returns how many rows
         it settled (delivered and marked, or parked). The synchronous form of :meth:`pump`
         (one fetch, then :meth:`settle` with ``wait=True``), for tools and tests.
@@ -220,7 +220,7 @@ class OutboxRelay:
     #   id then has committed or rolled back by now. A transaction open longer than that is
     #   still found: every relay_full_rescan_s the relay reads from id 0.
 
-    def pump(self, conn: psycopg.Connection, *, fetch: bool = True) -> int:
+    def pump(self, conn: Conn, *, fetch: bool = True) -> int:
         """One step of the pipelined relay: serve delivery reports, settle failures (raises
         :class:`DeliveryFailed` like :meth:`publish_batch`), fetch and produce the next
         batch when fewer than ``relay_max_in_flight`` rows are in flight, mark the rows
@@ -245,7 +245,7 @@ class OutboxRelay:
             poll(0)
         return len(rows)
 
-    def _fetch(self, conn: psycopg.Connection) -> list[tuple[Any, ...]]:
+    def _fetch(self, conn: Conn) -> list[tuple[Any, ...]]:
         """The next rows to produce, in id order (see the comment above :meth:`pump`)."""
         n, st = self.settings.relay_batch_size, self.settings
         now = time.monotonic()
@@ -325,7 +325,7 @@ class OutboxRelay:
         else:
             self._failed.append((row, err))
 
-    def mark(self, conn: psycopg.Connection) -> int:
+    def mark(self, conn: Conn) -> int:
         """Mark the rows acknowledged so far published (one statement, in the order of their
         delivery reports); returns how many. In :meth:`run` the statement goes to the marker
         thread (its own connection), so the next batch is fetched and produced while
@@ -348,7 +348,7 @@ class OutboxRelay:
         self.stats.batches += 1
         return len(acked)
 
-    def settle(self, conn: psycopg.Connection, *, wait: bool) -> None:
+    def settle(self, conn: Conn, *, wait: bool) -> None:
         """Mark what was acknowledged and deal with what failed; with ``wait``, first wait
         (at most 60 s) for the report of every row in flight, and give up on the rest
         (retriable: fetched again). A row the broker refused is re-sent alone (its
@@ -411,7 +411,7 @@ class OutboxRelay:
         self._producer.flush(60)
         return reports, refused
 
-    def park(self, conn: psycopg.Connection, row: tuple[Any, ...], why: str) -> None:
+    def park(self, conn: Conn, row: tuple[Any, ...], why: str) -> None:
         """Move an outbox row that can never be delivered to the ``dead_letter`` table (ONE
         transaction): keep its bytes, headers and the broker's reason, delete the outbox row,
         and fail its job (``undeliverable_event``, with a ``job.failed`` event) when the row
@@ -436,7 +436,7 @@ class OutboxRelay:
         log.error("parked outbox row %d (%s to %s) as dead_letter id=%d: %s%s", outbox_id,
                   event_type, topic, dl_id, why, f"; job {job_id} failed" if failed else "")
 
-    def _fail_job(self, conn: psycopg.Connection, job_id: uuid.UUID | None, error: str) -> bool:
+    def _fail_job(self, conn: Conn, job_id: uuid.UUID | None, error: str) -> bool:
         """Fail an open job (its open stages too) with ``undeliverable_event`` and write its
         ``job.failed`` to the outbox, in the caller's transaction. False when there is no
         such job or it is already terminal."""
@@ -463,7 +463,7 @@ class OutboxRelay:
             self.settings.topic(topic_for("job.failed", None)), ev))
         return True
 
-    def _acquire_lock(self, conn: psycopg.Connection) -> bool:
+    def _acquire_lock(self, conn: Conn) -> bool:
         standing_by = False
         while not self._stop.is_set():
             lock = HOUSEKEEPING_LOCK_ID if self.housekeeping_only else RELAY_LOCK_ID
@@ -509,7 +509,7 @@ class OutboxRelay:
         if any(report.deleted.values()):
             log.info("retention: deleted %s", report.deleted)
 
-    def _relay_loop(self, conn: psycopg.Connection) -> None:
+    def _relay_loop(self, conn: Conn) -> None:
         """Publish (or only keep house) while the lock is held and no stop was asked."""
         retry_s = 0.5
         last_gc = last_sweep = 0.0
@@ -575,7 +575,7 @@ class OutboxRelay:
         self._failed, self._refused = [], []
         self._forget_floor()
 
-    def _wind_down(self, conn: psycopg.Connection) -> None:
+    def _wind_down(self, conn: Conn) -> None:
         """On the way out (stop or error): wait briefly for the rows in flight and mark those
         delivered, so a clean stop re-publishes nothing. Best effort: what is not marked is
         published again by the next active relay."""

@@ -54,7 +54,7 @@ from typing import Any, TypeVar
 import psycopg
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message
 from psycopg import sql
-from psycopg.rows import dict_row
+from psycopg.rows import DictRow, dict_row
 
 from consumers.ddl import create_tables
 from consumers.headers import HEADERS_UNREADABLE, read_headers
@@ -66,8 +66,8 @@ from schemas.events import decode_event
 log = logging.getLogger("consumers.idempotent")
 
 E = TypeVar("E")
-Handler = Callable[[psycopg.Connection, Any], None]
-BatchHandler = Callable[[psycopg.Connection, list[Any]], None]
+Handler = Callable[[psycopg.Connection[Any], Any], None]
+BatchHandler = Callable[[psycopg.Connection[Any], list[Any]], None]
 
 
 @dataclass
@@ -198,15 +198,15 @@ class IdempotentConsumer:
                                   dlq_headroom_bytes=settings.dlq_headroom_bytes, table=dl)
         self._sink = sink
         self._failures = FailureCounter()
-        self._conn: psycopg.Connection | None = None
+        self._conn: psycopg.Connection[DictRow] | None = None
         self._headers: dict[tuple[Any, Any, Any], list[tuple[str, bytes | None]]] = {}
 
     # -- registration -------------------------------------------------------------------
 
     def on(self, event_class: type[E], *, topic: str | None = None,
-           batch: Callable[[psycopg.Connection, list[E]], None] | None = None
-           ) -> Callable[[Callable[[psycopg.Connection, E], None]],
-                         Callable[[psycopg.Connection, E], None]]:
+           batch: Callable[[psycopg.Connection[Any], list[E]], None] | None = None
+           ) -> Callable[[Callable[[psycopg.Connection[Any], E], None]],
+                         Callable[[psycopg.Connection[Any], E], None]]:
         """Register the handler of ``event_class`` (a decorator).
 
         The class chooses the route: its ``event_type`` is what is accepted and, with
@@ -243,11 +243,11 @@ class IdempotentConsumer:
         if event_type in self._handlers:
             raise ValueError(f"{event_type} already has a handler: one handler per event class")
 
-        def register(fn: Callable[[psycopg.Connection, E], None]
-                     ) -> Callable[[psycopg.Connection, E], None]:
+        def register(fn: Callable[[psycopg.Connection[Any], E], None]
+                     ) -> Callable[[psycopg.Connection[Any], E], None]:
             self._handlers[event_type] = fn
             if batch is not None:
-                self._batch_handlers[event_type] = batch  # type: ignore[assignment]  # E erased
+                self._batch_handlers[event_type] = batch
             name = topic or self.settings.topic(event_type)
             if name not in self._topics:
                 self._topics.append(name)
@@ -320,7 +320,7 @@ class IdempotentConsumer:
         """Ask the loop to return after the current message (also a signal handler)."""
         self._stop.set()
 
-    def _db(self) -> psycopg.Connection:
+    def _db(self) -> psycopg.Connection[DictRow]:
         if self._conn is None or self._conn.closed:
             try:
                 self._conn = psycopg.connect(self.settings.dsn, row_factory=dict_row,
@@ -441,8 +441,8 @@ class IdempotentConsumer:
                 for i, ev in todo:
                     outcomes[i] = "applied"
                     applied.append(ev)
-        for i, exc in poison:
-            self._dead_letter(msgs[i], exc.code, str(exc))
+        for i, bad in poison:
+            self._dead_letter(msgs[i], bad.code, str(bad))
             outcomes[i] = "dead_lettered"
         self.stats.applied += outcomes.count("applied")
         self.stats.duplicates += outcomes.count("duplicate")
@@ -594,9 +594,10 @@ class IdempotentConsumer:
                     got += self._consumer.consume(self.max_batch - 1, 0)
                 msgs = []
                 for m in got:
-                    if m.error():
-                        if m.error().code() != KafkaError._PARTITION_EOF:
-                            log.warning("consumer error: %s", m.error())
+                    err = m.error()
+                    if err is not None:
+                        if err.code() != KafkaError._PARTITION_EOF:
+                            log.warning("consumer error: %s", err)
                         continue
                     msgs.append(m)
                 if not msgs:
@@ -622,7 +623,7 @@ class IdempotentConsumer:
         log.info("consumer stopped: %s", stats)
         return stats
 
-    def _record(self, conn: psycopg.Connection, event: Any) -> Any:
+    def _record(self, conn: psycopg.Connection[DictRow], event: Any) -> Any:
         """Insert the idempotent-consumer row; ``None`` for a duplicate. Raises
         :class:`PoisonMessage` ``event_id_conflict`` when the event id was already recorded
         with other content (another dedup key or event type)."""

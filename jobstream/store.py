@@ -490,9 +490,17 @@ class Store:
         redelivered event claims again. Returns ``(claim result, None)`` otherwise (the run
         completed when the result is a :class:`Claim`). Raises :class:`StaleRun` like
         :meth:`complete` (not expected: the lock is held).
+
+        The transaction may stay idle at most ``lease_s`` seconds
+        (``idle_in_transaction_session_timeout``, set locally): a process paused longer loses
+        its session, the claim rolls back and the row lock is released, so a frozen worker
+        never holds a job (psycopg then raises ``OperationalError``, handled as a crash).
         """
         try:
             with self.tx() as conn:
+                # Paused past its lease, the process loses the session (and the row lock).
+                conn.execute(Q["one_transaction_idle_limit"],
+                             {"ms": str(int(float(claim_kw["lease_s"]) * 1000))})
                 got = self._claim_in(conn, **claim_kw)
                 if not isinstance(got, Claim):
                     return got, None
@@ -507,7 +515,7 @@ class Store:
             # it. Claim again, alone, so the run ends like a two-transaction one (job failed).
             return self.claim(**claim_kw), exc
 
-    def _claim_in(self, conn: psycopg.Connection, *, job_id: uuid.UUID, stage: str, group: str,
+    def _claim_in(self, conn: Conn, *, job_id: uuid.UUID, stage: str, group: str,
                   dedup_key: str, event_type: str, event_id: uuid.UUID, lease_s: float,
                   code_version: str, generation: int = 0, reads: tuple[str, ...] = ()
                   ) -> Claim | Skip | Done | LeaseHeld:
@@ -549,7 +557,7 @@ class Store:
             return self._budget_in(conn, job_id, stage)
 
     @staticmethod
-    def _budget_in(conn: psycopg.Connection, job_id: uuid.UUID, stage: str) -> ProviderBudget:
+    def _budget_in(conn: Conn, job_id: uuid.UUID, stage: str) -> ProviderBudget:
         row = conn.execute(Q["job_provider_budget"], {"job_id": job_id, "stage": stage}
                            ).fetchone()
         assert row is not None
@@ -559,7 +567,7 @@ class Store:
             job_cost_usd=float(row["cost_usd"]))
 
     @staticmethod
-    def _read_inputs(conn: psycopg.Connection, job: JobRow, stage: str,
+    def _read_inputs(conn: Conn, job: JobRow, stage: str,
                      reads: tuple[str, ...]) -> StageInputs:
         """The :class:`StageInputs` named by ``reads`` (see :meth:`claim`)."""
         if not reads:
@@ -640,7 +648,7 @@ class Store:
                               chunks=chunks, charge_usd=charge_usd, later_stages=later_stages,
                               local_answers=local_answers)
 
-    def _complete_in(self, conn: psycopg.Connection, claim: Claim, *, output: Any,
+    def _complete_in(self, conn: Conn, claim: Claim, *, output: Any,
                      input_hash: str, code_version: str, cost_usd: float, group: str,
                      event_type: str, event_id: uuid.UUID, next_msg: OutboxMessage,
                      chunks: list[tuple[int, int, int, str, str]] | None = None,

@@ -144,6 +144,13 @@ SELECT 1 AS owns FROM job_stage s JOIN job j USING (job_id)
  WHERE s.job_id = %(job_id)s AND s.stage = %(stage)s AND s.run_token = %(run_token)s
    AND s.status = 'running' AND j.generation = %(generation)s;
 
+-- name: one_transaction_idle_limit
+-- A one-transaction stage (claim + work + complete under the job's row lock) may sit idle in
+-- its transaction for at most its lease: a process paused (SIGSTOP, VM freeze) past that has its
+-- session ended by Postgres, the claim rolls back and the lock is released, so a frozen worker
+-- cannot hold a job forever (issue 11). %(ms)s: milliseconds, as text.
+SELECT set_config('idle_in_transaction_session_timeout', %(ms)s, true);
+
 -- name: sweeper_lock_timeout
 -- The sweeper never waits long on a row lock (a frozen process may hold one for minutes): the
 -- job is skipped this pass instead of stalling every other one.

@@ -761,10 +761,11 @@ VALUES (%s, %s, %s, %s, %s)
 ON CONFLICT (consumer_group, dedup_key, event_type) DO NOTHING
 RETURNING 1 AS inserted"""
 #: The rows of a batch (distinct keys). Returns the keys that were new; others are duplicates.
+#: Binary parameters (%b): psycopg's text array dumper cost ~7 us per row, binary ~1 us.
 RECORD_PROCESSED_BATCH = """
 INSERT INTO {table} (consumer_group, dedup_key, event_type, event_id, job_id)
-SELECT %s, u.dedup_key, u.event_type, u.event_id, u.job_id
-  FROM unnest(%s::text[], %s::text[], %s::uuid[], %s::uuid[])
+SELECT %b, u.dedup_key, u.event_type, u.event_id, u.job_id
+  FROM unnest(%b::text[], %b::text[], %b::uuid[], %b::uuid[])
        AS u(dedup_key, event_type, event_id, job_id)
 ON CONFLICT (consumer_group, dedup_key, event_type) DO NOTHING
 RETURNING dedup_key, event_type"""

@@ -26,10 +26,12 @@ the ratio of runs next to each other is what counts).
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, Message, Producer
@@ -150,6 +152,7 @@ def run_plain(settings: Settings, topic: str, n: int, decode: bool) -> dict[str,
     c.subscribe([topic])
     got = 0
     first = last = 0.0
+    cpu0 = time.process_time()
     deadline = time.monotonic() + 300
     try:
         while got < n and time.monotonic() < deadline:
@@ -169,7 +172,9 @@ def run_plain(settings: Settings, topic: str, n: int, decode: bool) -> dict[str,
         c.close()
     if got < n:
         raise RuntimeError(f"only {got} of {n} messages consumed")
-    return {"events_per_s": round(n / (last - first)), "elapsed_s": round(last - first, 3)}
+    return {"events_per_s": round(n / (last - first)), "elapsed_s": round(last - first, 3),
+            "cpu_us_per_msg": {"consumer_process": round((time.process_time() - cpu0) / n * 1e6,
+                                                         1)}}
 
 
 def make_consumer(settings: Settings, *, dedup: bool, max_batch: int | None, handler: str,
@@ -200,10 +205,32 @@ def reset_effects(url: str) -> None:
         conn.commit()
 
 
+def backend_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) of Postgres backend ``pid`` so far, from /proc (None when
+    Postgres does not run on this machine)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_apply(settings: Settings, n: int, consumer: IdempotentConsumer) -> dict[str, Any]:
-    """``consumer`` over the scenario's topic until every offset is stored."""
+    """``consumer`` over the scenario's topic until every offset is stored; with its CPU per
+    message (this process, and the consumer's Postgres backend, sampled after each commit)."""
     timed = TimedConsumer(consumer._consumer)
     consumer._consumer = timed  # type: ignore[assignment]
+    backend: dict[str, float | None] = {"cpu_s": None}
+    after = consumer.hooks.after_apply
+
+    def sample() -> None:
+        if consumer._conn is not None:
+            backend["cpu_s"] = backend_cpu_s(consumer._conn.info.backend_pid)
+        if after is not None:
+            after()
+
+    consumer.hooks.after_apply = sample
+    cpu0 = time.process_time()
     t = threading.Thread(target=consumer.run, daemon=True)
     t.start()
     st = consumer.stats
@@ -214,12 +241,16 @@ def run_apply(settings: Settings, n: int, consumer: IdempotentConsumer) -> dict[
     time.sleep(0.3)  # the offsets of the last message(s) are stored right after the stats
     consumer.stop()
     t.join(30)
+    cpu = time.process_time() - cpu0
     done = st.applied + st.duplicates + st.dead_lettered
     if done < n or timed.first is None:
         raise RuntimeError(f"idempotent consumer handled {done} of {n} messages")
     el = timed.last_store - timed.first
+    pg = backend["cpu_s"]
     return {"events_per_s": round(n / el), "elapsed_s": round(el, 3), "applied": st.applied,
-            "duplicates_skipped": st.duplicates, "dead_lettered": st.dead_lettered}
+            "duplicates_skipped": st.duplicates, "dead_lettered": st.dead_lettered,
+            "cpu_us_per_msg": {"consumer_process": round(cpu / n * 1e6, 1),
+                               "postgres_backend": None if pg is None else round(pg / n * 1e6, 1)}}
 
 
 def count_effects(url: str, tenant: str) -> dict[str, int]:
@@ -262,7 +293,8 @@ def scenario(base: Settings, n: int, dup_pct: float, args: Any) -> dict[str, Any
                      == idem_runs[-1]["applied"])
     alo = max(alo_runs, key=lambda x: x["events_per_s"])
     idem = max(idem_runs, key=lambda x: x["events_per_s"])
-    return {"dup_pct": dup_pct, **produced, "raw_consume_commit": raw,
+    return {"dup_pct": dup_pct, "loadavg_1_5_15_at_end": list(os.getloadavg()), **produced,
+            "raw_consume_commit": raw,
             "consume_decode_commit": dec, "at_least_once_apply": alo, "idempotent_apply": idem,
             "rounds": {"at_least_once_events_per_s": [x["events_per_s"] for x in alo_runs],
                        "idempotent_events_per_s": [x["events_per_s"] for x in idem_runs]},

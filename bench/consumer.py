@@ -265,6 +265,14 @@ def count_effects(url: str, tenant: str) -> dict[str, int]:
             "charge_keys": c["d"]}
 
 
+def cpu_total(run: dict[str, Any]) -> float | None:
+    """CPU per message of the consumer process plus its Postgres backend (microseconds): what
+    the apply costs the machine, steadier than a rate on a shared machine."""
+    c = run["cpu_us_per_msg"]
+    return None if c["postgres_backend"] is None else round(
+        c["consumer_process"] + c["postgres_backend"], 1)
+
+
 def scenario(base: Settings, n: int, dup_pct: float, args: Any) -> dict[str, Any]:
     s = base.model_copy(update={"topic_prefix": f"{base.topic_prefix}d{int(dup_pct)}."})
     topic = s.topic("job.ready")
@@ -301,6 +309,8 @@ def scenario(base: Settings, n: int, dup_pct: float, args: Any) -> dict[str, Any
             "idempotent_vs_raw_ratio": round(idem["events_per_s"] / raw["events_per_s"], 3),
             "idempotent_vs_at_least_once_ratio": round(
                 idem["events_per_s"] / alo["events_per_s"], 3),
+            "cpu_us_per_msg_consumer_plus_postgres": {
+                "at_least_once": cpu_total(alo), "idempotent": cpu_total(idem)},
             "effects": effects, "exactly_once_ok": ok}
 
 

@@ -51,14 +51,12 @@ from jobstream.kafka import base_config
 from jobstream.producer import submit
 from jobstream.settings import Settings
 from schemas.events import DocumentRef, DocumentUploaded, DocumentUploadedPayload
+from schemas.pipeline import PIPELINE
 
 LICENSES = Path("/usr/share/common-licenses")
-CHAIN = ("job.accepted", "job.text_extracted", "job.chunks_ready", "job.llm_done",
-         "job.validated", "job.ready")
+CHAIN = tuple(s.emits for s in PIPELINE.stages)
 #: The checkpoint written by the stage that consumes each event (job.ready: downstream).
-NEXT_STAGE = {"job.accepted": "text_extracted", "job.text_extracted": "chunks_ready",
-              "job.chunks_ready": "llm_done", "job.llm_done": "validated",
-              "job.validated": "published"}
+NEXT_STAGE = {s.consumes: s.name for s in PIPELINE.job_stages}
 
 
 def corpus_text() -> str:

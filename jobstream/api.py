@@ -2,7 +2,7 @@
 
 The tenant comes from the bearer token (``JOBSTREAM_API_TOKENS``), never from the body. Job
 creation goes through the same transactional intake as ``document.uploaded``
-(:func:`jobstream.stages.handle_intake`): the job, its idempotency record, its first checkpoint
+(:func:`streams.intake.handle_intake`): the job, its idempotency record, its first checkpoint
 and its outbox row commit together before the 202 is sent. ``Idempotency-Key`` is required:
 the same key again returns the same job (200, ``Idempotent-Replayed: true``); the same key with
 another body is 409 (IETF draft "The Idempotency-Key HTTP Header Field", §2.7).
@@ -54,7 +54,6 @@ from jobstream.db import QUERIES as Q
 from jobstream.errors import IdempotencyConflict, PoisonMessage, RetryableError
 from jobstream.keys import canonical_json, sha256_hex
 from jobstream.settings import Settings
-from jobstream.stages import StageContext, handle_intake
 from jobstream.store import STAGES, TERMINAL, IntakeResult, Store
 from schemas.events import (
     NO_CONTROL_CHARS,
@@ -62,6 +61,8 @@ from schemas.events import (
     DocumentUploaded,
     DocumentUploadedPayload,
 )
+from streams.context import StageContext
+from streams.intake import handle_intake
 
 MAX_BATCH = 1000
 #: States in which a job waits for a person, and who: the SSE stream ends on them.
@@ -487,7 +488,7 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
             attempts = list(conn.execute(Q["api_job_attempts"], (job_id,)))
             result = None
             if job["status"] == "succeeded":
-                row = conn.execute(Q["get_stage"], (job_id, "validated")).fetchone()
+                row = conn.execute(Q["get_stage"], (job_id, "validate")).fetchone()
                 result = row["output"] if row else None
         started, finished = job["first_started_at"], job["finished_at"]
         return JobView(
@@ -496,7 +497,7 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
             stages_total=len(STAGES), lane=job["lane"], filename=job["filename"],
             pipeline=job["pipeline"], prompt_version=job["prompt_version"],
             model_profile=job["model_profile"],
-            stage_runs=sum(s["attempt"] for s in stages if s["stage"] != "uploaded"),
+            stage_runs=sum(s["attempt"] for s in stages if s["stage"] != STAGES[0]),
             provider_attempts=[AttemptView(**a) for a in attempts],
             cost_so_far_usd=job["cost_so_far_usd"], charge_usd=float(job["charge_usd"]),
             cancel_requested=job["cancel_requested"], error_code=job["error_code"],

@@ -53,8 +53,8 @@ from jobstream.kafka import delete_topics, ensure_topics, group_lag, read_to_end
 from jobstream.llm.fake_provider import FakeProvider
 from jobstream.producer import submit, uploaded_event
 from jobstream.settings import Settings
-from jobstream.stages import SPECS
 from jobstream.store import TERMINAL
+from schemas.pipeline import PIPELINE
 
 #: The process each fault point belongs to (the CLI subcommand that runs it).
 OWNER = {
@@ -83,10 +83,9 @@ PAUSE_PLAN = (
     "consumer_after_apply_before_offset@1=stop",
 )
 #: The events every successful job produces, in flow order (one outbox row each).
-JOB_EVENTS = ("job.accepted", "job.text_extracted", "job.chunks_ready", "job.llm_done",
-              "job.validated", "job.ready")
-WORKER_TOPICS = ("document.uploaded", *(s.consumes for s in SPECS.values()))
-STAGES = ("uploaded", *(s.stage for s in SPECS.values()))
+JOB_EVENTS = tuple(s.emits for s in PIPELINE.stages)
+WORKER_TOPICS = tuple(s.consumes for s in PIPELINE.stages)
+STAGES = PIPELINE.names
 DOWNSTREAM_GROUP = "downstream-ready-applier"
 #: Provider outcomes that may precede a chunk's one success: the attempt failed or its outcome
 #: is unknown (``abandoned``: its run died or was fenced mid-call), or a fenced run's answer was
@@ -212,7 +211,7 @@ def check_invariants(settings: Settings, *, tenant: str, keys: list[str],
       row of a killed run may or may not have been sent: a kill can land between the two);
     - a finished stage is never run again: no stage was claimed twice unless the worker was
       killed or paused (then at most twice; three times with ``redrives``), and no provider
-      attempt started after ``llm_done`` finished;
+      attempt started after ``llm`` finished;
     - no orphan attempt: nothing is left ``started`` (a dead or fenced run's attempt is closed
       ``abandoned``);
     - with ``redrives`` (a frozen run may have been re-driven by the sweeper): an event may
@@ -305,7 +304,7 @@ def check_invariants(settings: Settings, *, tenant: str, keys: list[str],
             effects["republished"] += sum(ids.values()) - len(ids)
     done = {(str(p["job_id"]), p["consumer_group"], p["event_type"]): str(p["event_id"])
             for p in processed}
-    groups = {settings.group(f"jobstream-{s.stage}"): et for et, s in SPECS.items()}
+    groups = {settings.group(f"jobstream-{s.name}"): s.consumes for s in PIPELINE.job_stages}
     groups[settings.group(DOWNSTREAM_GROUP)] = "job.ready"
     for jid in job_ids:
         for group, et in groups.items():
@@ -335,7 +334,7 @@ def check_invariants(settings: Settings, *, tenant: str, keys: list[str],
         v.append(f"provider attempts for a chunk that does not exist: {ck}")
     for (jid, idx), c in sorted(chunk_keys.items()):
         tries = per_chunk.get((jid, idx), [])
-        final = stage_of.get((jid, "llm_done"), {}).get("run_token")
+        final = stage_of.get((jid, "llm"), {}).get("run_token")
         ok = [a for a in tries if a["outcome"] == "succeeded"]
         where = f"job {jid} chunk {idx}"
         if len(ok) != 1:
@@ -363,11 +362,11 @@ def check_invariants(settings: Settings, *, tenant: str, keys: list[str],
         if not len(tries) - len(started) <= calls <= len(tries):
             v.append(f"{where}: the provider saw {calls} calls, provider_attempt has "
                      f"{len(tries)} rows ({len(started)} started or abandoned)")
-        llm = stage_of.get((jid, "llm_done"))
+        llm = stage_of.get((jid, "llm"))
         late = [a for a in tries if llm and llm["finished_at"]
                 and a["started_at"] > llm["finished_at"]]
         if late:
-            v.append(f"{where}: {len(late)} provider attempts after llm_done finished")
+            v.append(f"{where}: {len(late)} provider attempts after llm finished")
     for key in set(calls_by_key) - {f"{j}:{i}" for j, i in chunk_keys}:
         if key.split(":", 1)[0] in job_ids:
             v.append(f"the provider saw {calls_by_key[key]} calls for {key}, not a chunk")

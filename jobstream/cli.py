@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from jobstream.settings import get_settings
+from schemas.pipeline import OLD_NAMES, PIPELINE, Pipeline
 
 
 def _quiet_http_client() -> None:
@@ -24,6 +25,41 @@ def _logging(level: str) -> None:
     """Log to stderr at ``level`` in ``JOBSTREAM_LOG_FORMAT`` (text, or json lines)."""
     from jobstream.logs import configure
     configure(level, get_settings().log_format)
+
+
+def worker_stage_choices(pipeline: Pipeline = PIPELINE) -> tuple[str, ...]:
+    """What ``jobstream worker --stages`` accepts: every agent of ``pipeline``, in order."""
+    return pipeline.agents()
+
+
+def redrive_stage_choices(pipeline: Pipeline = PIPELINE) -> tuple[str, ...]:
+    """What ``jobstream redrive --from`` accepts: every stage of ``pipeline`` after intake."""
+    return tuple(s.name for s in pipeline.job_stages)
+
+
+class StageName(click.Choice[str]):
+    """A stage name among ``choices``; a checkpoint name from before migration 0019
+    (``text_extracted``, ``llm_done``...) is still accepted, with a deprecation message."""
+
+    def convert(self, value: object, param: click.Parameter | None,
+                ctx: click.Context | None) -> str:
+        if isinstance(value, str) and value in OLD_NAMES and OLD_NAMES[value] in self.choices:
+            click.echo(f"warning: stage name {value!r} is deprecated; use "
+                       f"{OLD_NAMES[value]!r}", err=True)
+            value = OLD_NAMES[value]
+        return str(super().convert(value, param, ctx))
+
+
+def _stage_list(value: str | None, choices: tuple[str, ...]) -> list[str] | None:
+    """A comma-separated list of names among ``choices`` (None when empty). Raises
+    :class:`click.BadParameter` naming the unknown ones."""
+    if not value:
+        return None
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    unknown = [n for n in names if n not in choices]
+    if unknown:
+        raise click.BadParameter(f"unknown {unknown}; choose from {', '.join(choices)}")
+    return names
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -166,17 +202,21 @@ def _print_connect_status(st: dict) -> None:  # type: ignore[type-arg]
 @main.command()
 @click.option("--lane", type=click.Choice(["all", "interactive", "batch"]), default="all",
               show_default=True, help="all: every agent in one consumer group; interactive / "
-              "batch: separate consumer pools for the costly LLM stage (run both kinds).")
+              "batch: separate consumer pools for the stages with a batch lane ("
+              + ", ".join(s.name for s in PIPELINE.stages if s.lanes) + "; run both kinds).")
 @click.option("--stages", default=None,
-              help="Comma-separated agents (default: the lane's): intake, extract, chunk, llm, "
-                   "llm_batch, validate, publish.")
+              help="Comma-separated agents (default: the lane's): "
+                   + ", ".join(worker_stage_choices()) + ".")
 def worker(lane: str, stages: str | None) -> None:
     """Run faust stage workers (consumer group <prefix>jobstream-streams[-<lane>])."""
     from faust import Worker
 
     from jobstream.logs import faust_logging_config
     from streams.app import create_app
-    chosen = [s.strip() for s in stages.split(",") if s.strip()] if stages else None
+    try:
+        chosen = _stage_list(stages, worker_stage_choices())
+    except click.BadParameter as exc:
+        raise click.UsageError(f"--stages: {exc.message}") from None
     try:
         app, ctx = create_app(get_settings(), chosen, lane=lane)
     except KeyError as exc:
@@ -275,8 +315,8 @@ def jobs(tenant: str) -> None:
         t.add_column(c)
     for r in rows:
         t.add_row(str(r["job_id"]), r["filename"], r["status"], r["current_stage"],
-                  f"{r['stages_done']}/6", str(r["provider_calls"]), f"{r['cost_usd']:.6f}",
-                  r["error_code"] or "")
+                  f"{r['stages_done']}/{len(PIPELINE.stages)}", str(r["provider_calls"]),
+                  f"{r['cost_usd']:.6f}", r["error_code"] or "")
     Console().print(t)
 
 
@@ -334,7 +374,7 @@ def _print_jobs(views: list[dict]) -> None:  # type: ignore[type-arg]
         t.add_column(c)
     for v in views:
         t.add_row(v["job_id"], v["filename"], v["status"], v["current_stage"],
-                  f"{v['stages_done']}/6", str(len(v["provider_attempts"])),
+                  f"{v['stages_done']}/{len(PIPELINE.stages)}", str(len(v["provider_attempts"])),
                   f"{v['cost_so_far_usd']:.6f}", v["error_code"] or "")
     Console().print(t)
 
@@ -507,8 +547,8 @@ def batch(files: tuple[Path, ...], api_url: str, token: str, idempotency_key: st
 
 
 def _ctx():  # type: ignore[no-untyped-def]
-    from jobstream.stages import StageContext
     from jobstream.store import Store
+    from streams.context import StageContext
     s = get_settings()
     return StageContext(s, Store(s.database_url, max_size=2))
 
@@ -516,13 +556,12 @@ def _ctx():  # type: ignore[no-untyped-def]
 @main.command()
 @click.argument("job_id", type=click.UUID)
 @click.option("--from", "from_stage",
-              type=click.Choice(["text_extracted", "chunks_ready", "llm_done", "validated",
-                                 "published"]),
+              type=StageName(redrive_stage_choices()),
               help="Stage to restart at (default: the first one that did not succeed). "
                    "Finished stages with unchanged code are re-emitted, not redone.")
 def redrive(job_id, from_stage: str | None) -> None:  # type: ignore[no-untyped-def]
     """Send a failed, parked or finished job through its stages again."""
-    from jobstream.stages import redrive as do_redrive
+    from streams.actions import redrive as do_redrive
     try:
         stage = do_redrive(_ctx(), job_id, from_stage)
     except (KeyError, ValueError) as exc:
@@ -542,7 +581,7 @@ def reconcile(job_id, resolution: str | None) -> None:  # type: ignore[no-untype
     may have done (and billed) the work, so jobstream does not guess. Check the provider's
     records for the attempt's Idempotency-Key (<job_id>:<chunk>), then --retry or --fail.
     """
-    from jobstream.stages import reconcile as do_reconcile
+    from streams.actions import reconcile as do_reconcile
     ctx = _ctx()
     if job_id is None:
         rows = ctx.store.parked_jobs()
@@ -603,7 +642,7 @@ def verify(as_json: bool, checks: tuple[str, ...], skip: tuple[str, ...], tenant
 @main.command()
 def sweep() -> None:
     """Re-drive stages whose lease expired long ago (the active relay also does this)."""
-    from jobstream.stages import sweep as do_sweep
+    from streams.actions import sweep as do_sweep
     for line in do_sweep(_ctx()) or ["nothing to sweep"]:
         click.echo(line)
 

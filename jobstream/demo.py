@@ -28,10 +28,11 @@ from jobstream.kafka import ensure_topics
 from jobstream.producer import submit, uploaded_event
 from jobstream.services import kafka_answers, postgres_answers, run_script
 from jobstream.settings import Settings
+from schemas.pipeline import PIPELINE
 
 LICENSES = Path("/usr/share/common-licenses")
 PDF_SOURCES = ("Apache-2.0", "BSD", "MPL-2.0")
-N_STAGES = 6
+N_STAGES = len(PIPELINE.stages)
 
 
 def make_pdf(text: str, out: Path, title: str) -> Path:

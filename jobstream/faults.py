@@ -7,7 +7,7 @@ instead: the process freezes there (a long GC pause, a stalled VM) until someone
 which is how tests let a lease expire under a run that is still alive.
 
 Points: ``llm_chunk_answered_before_save`` (a chunk's answer arrived, its output is not saved
-yet), ``llm_after_provider_before_checkpoint`` (every chunk answered and saved, the ``llm_done``
+yet), ``llm_after_provider_before_checkpoint`` (every chunk answered and saved, the ``llm``
 checkpoint not written yet), ``stage_after_commit_before_offset``,
 ``relay_after_produce_before_mark`` (also ``relay_after_produce_before_mark:<event_type>``, hit
 once per event type in the batch), ``consumer_after_apply_before_offset``.

@@ -19,31 +19,35 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from consumers.headers import HEADERS_UNREADABLE, dlq_headers, read_headers  # noqa: F401
 from jobstream.settings import Settings
+from schemas.pipeline import PIPELINE, Pipeline
 
-#: Logical topics of the pipeline, in flow order. The costly stage has one topic per lane:
-#: batch work waits in its own topic and consumer pool, never ahead of a person's document.
-PIPELINE_TOPICS = ("document.uploaded", "job.accepted", "job.text_extracted", "job.chunks_ready",
-                   "job.chunks_ready.batch", "job.llm_done", "job.validated", "job.ready",
-                   "job.failed")
+#: Logical topics of the pipeline, in flow order, from the one definition
+#: (``schemas.pipeline``). The costly stage has one topic per lane: batch work waits in its own
+#: topic and consumer pool, never ahead of a person's document.
+PIPELINE_TOPICS = PIPELINE.topics()
 #: Topics the faust stage workers consume, hence with ``.retry`` and ``.dlq`` twins.
-STAGE_TOPICS = ("document.uploaded", "job.accepted", "job.text_extracted", "job.chunks_ready",
-                "job.chunks_ready.batch", "job.llm_done", "job.validated")
+STAGE_TOPICS = PIPELINE.stage_topics()
 #: Topics something consumes, hence with a dead-letter twin.
-CONSUMED_TOPICS = (*STAGE_TOPICS, "job.ready")
+CONSUMED_TOPICS = PIPELINE.consumed_topics()
 #: Event types whose topic depends on the job's lane: event type -> topic of the batch lane.
-LANE_TOPICS = {"job.chunks_ready": "job.chunks_ready.batch"}
+LANE_TOPICS = PIPELINE.lane_topics()
 
 
 def topic_for(event_type: str, lane: str | None) -> str:
     """Logical topic of an event of ``event_type`` for a job of ``lane``."""
-    return LANE_TOPICS.get(event_type, event_type) if lane == "batch" else event_type
+    return PIPELINE.topic_for(event_type, lane)
 
 
-def all_topics(settings: Settings) -> list[str]:
+def logical_topics(pipeline: Pipeline = PIPELINE) -> list[str]:
+    """Every logical topic of ``pipeline`` (unprefixed): its topics, then a ``.retry`` twin
+    of each stage topic and a ``.dlq`` twin of each consumed topic."""
+    return (list(pipeline.topics()) + [f"{t}.retry" for t in pipeline.stage_topics()]
+            + [f"{t}.dlq" for t in pipeline.consumed_topics()])
+
+
+def all_topics(settings: Settings, pipeline: Pipeline = PIPELINE) -> list[str]:
     """Every topic jobstream uses (pipeline topics, ``.retry`` and ``.dlq`` twins), prefixed."""
-    names = (list(PIPELINE_TOPICS) + [f"{t}.retry" for t in STAGE_TOPICS]
-             + [f"{t}.dlq" for t in CONSUMED_TOPICS])
-    return [settings.topic(n) for n in names]
+    return [settings.topic(n) for n in logical_topics(pipeline)]
 
 
 class LibrdkafkaLogger:

@@ -252,9 +252,10 @@ class KafkaLag:
     partition with no committed offset counts from its low watermark: our consumers reset to
     ``earliest``).
 
-    Groups: ``<prefix>jobstream-streams`` (the faust stage workers), the downstream applier's
-    group, every other group named ``<prefix>jobstream-*`` the broker knows (e.g. the DLQ
-    replay's), and ``metrics_consumer_groups``.
+    Groups: ``<prefix>jobstream-streams`` (the faust stage workers), the downstream
+    consumers' groups (``metrics_downstream_groups``, prefixed), every other group named
+    ``<prefix>jobstream-*`` the broker knows (e.g. the DLQ replay's), and
+    ``metrics_consumer_groups``.
     """
 
     def __init__(self, settings: Settings) -> None:
@@ -264,9 +265,8 @@ class KafkaLag:
 
     def groups(self) -> list[str]:
         """The groups to report. Raises ``KafkaException``."""
-        from jobstream.ready_applier import GROUP as DOWNSTREAM
         s = self.settings
-        known = {s.group("jobstream-streams"), s.group(DOWNSTREAM),
+        known = {s.group("jobstream-streams"), *map(s.group, s.metrics_downstream_groups),
                  *s.metrics_consumer_groups}
         listed = self.admin.list_consumer_groups(request_timeout=self.timeout_s).result(
             self.timeout_s + 1)

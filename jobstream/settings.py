@@ -9,6 +9,7 @@ two connection settings also accept the conventional ``DATABASE_URL`` and
 from __future__ import annotations
 
 import json
+import logging
 from functools import lru_cache
 from typing import Any, Literal
 
@@ -101,7 +102,7 @@ class Settings(BaseSettings):
     )
     stage_code_versions: dict[str, str] = Field(
         default_factory=dict,
-        description="Override a stage's code version (e.g. {\"validated\": \"validate-2\"}) to "
+        description="Override a stage's code version (e.g. {\"validate\": \"validate-2\"}) to "
                     "make redrives recompute it and the stages after it.",
     )
     max_stage_attempts: int = Field(
@@ -258,7 +259,13 @@ class Settings(BaseSettings):
     metrics_consumer_groups: list[str] = Field(
         default_factory=list,
         description="Metrics: more consumer groups (full names) to report lag for, besides "
-                    "the prefixed jobstream-* groups and the downstream applier (JSON list).",
+                    "the prefixed jobstream-* groups and metrics_downstream_groups (JSON list).",
+    )
+    metrics_downstream_groups: list[str] = Field(
+        default_factory=lambda: ["downstream-ready-applier"],
+        description="Metrics: consumer groups of job.ready consumers to report lag for, "
+                    "logical names taking JOBSTREAM_TOPIC_PREFIX like jobstream's own (JSON "
+                    "list; default: `jobstream consume-ready`).",
     )
 
     db_pool_worker_max: int = Field(
@@ -353,6 +360,25 @@ class Settings(BaseSettings):
                 "lease every heartbeat; a lease shorter than three heartbeats expires under a "
                 "live run and the stage is taken over). Raise the lease or shorten the "
                 "heartbeat.")
+        return self
+
+    @model_validator(mode="after")
+    def _known_stage_code_versions(self) -> Settings:
+        """``stage_code_versions`` names stages of the pipeline; a name from before migration
+        0019 (``validated``...) is mapped to the stage's name with a warning."""
+        from schemas.pipeline import OLD_NAMES, PIPELINE
+        versions = {}
+        for name, version in self.stage_code_versions.items():
+            if name in OLD_NAMES:
+                logging.getLogger("jobstream.settings").warning(
+                    "JOBSTREAM_STAGE_CODE_VERSIONS: stage name %r is deprecated; use %r",
+                    name, OLD_NAMES[name])
+                name = OLD_NAMES[name]
+            if name not in PIPELINE.names:
+                raise ValueError(f"JOBSTREAM_STAGE_CODE_VERSIONS names an unknown stage "
+                                 f"{name!r}; stages: {', '.join(PIPELINE.names)}")
+            versions[name] = version
+        self.stage_code_versions = versions
         return self
 
     @property

@@ -27,9 +27,11 @@ from jobstream import health, tracing
 from jobstream.db import QUERIES as Q
 from jobstream.errors import IdempotencyConflict, PoisonMessage, RetryableError, StaleRun
 from schemas.events import encode_event
+from schemas.pipeline import PIPELINE
 
-#: The checkpoint chain (design.md): each stage is named by the fact it establishes.
-STAGES = ("uploaded", "text_extracted", "chunks_ready", "llm_done", "validated", "published")
+#: The checkpoint chain (design.md): one checkpoint per stage, named like the stage
+#: (``schemas.pipeline``).
+STAGES = PIPELINE.names
 TERMINAL = ("succeeded", "failed", "cancelled")
 
 
@@ -215,7 +217,7 @@ class Store:
                extra: list[OutboxMessage] = (),  # type: ignore[assignment]
                restart: Any = None) -> IntakeResult:
         """Create a job for one client intent, in ONE transaction: document, job, idempotency
-        record, ``uploaded`` checkpoint and the ``job.accepted`` outbox row (plus ``extra``
+        record, ``intake`` checkpoint and the ``job.accepted`` outbox row (plus ``extra``
         outbox rows, e.g. a ``document.uploaded`` for other consumers).
 
         ``job``: the job row's columns (``job_id``, ``dedup_key``, …). ``accepted``: a callable
@@ -290,7 +292,7 @@ class Store:
                                                        job_id, request_id))
                     event = accepted(job_id)
                     conn.execute(Q["insert_done_stage"], (
-                        job_id, "uploaded", job["document_sha256"], "intake-1",
+                        job_id, STAGES[0], job["document_sha256"], PIPELINE.stages[0].code_version,
                         Jsonb({"filename": job["filename"]}),
                         Jsonb(event.payload.model_dump(mode="json"))))
                     self.add_outbox(conn, outbox_message(topic, event))
@@ -356,7 +358,7 @@ class Store:
     def reemit(self, *, job: dict[str, Any], group: str, event_type: str,
                event_id: uuid.UUID, next_msg: OutboxMessage, final: bool) -> bool:
         """Re-emit a finished stage's event and record the input event as processed, in ONE
-        transaction; ``final`` (the ``published`` stage) also closes the job as succeeded.
+        transaction; ``final`` (the ``publish`` stage) also closes the job as succeeded.
         Returns False (writing nothing) if another delivery got there first."""
         with self.tx() as conn:
             if conn.execute(Q["record_processed"], (group, job["dedup_key"], event_type,

@@ -20,9 +20,6 @@ from dataclasses import asdict, dataclass
 
 from jobstream.errors import PermanentError, RetryableError
 
-EXTRACT_VERSION = "extract-1"
-CHUNK_VERSION = "chunk-1"
-
 #: Every code a document can fail extraction with, and what it means.
 DOCUMENT_ERROR_CODES = {
     "empty_document": "no bytes, or no text in them",

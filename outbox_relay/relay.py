@@ -22,7 +22,7 @@ Protocol (design.md, "Outbox relay"):
    every ``relay_poll_interval_s``. Every ``gc_interval_s`` the active relay runs retention
    (:mod:`jobstream.retention`): published outbox rows, idempotent-consumer rows and
    idempotency records past their horizons, a bounded number of batches per run.
-6. The active relay also runs the stuck-stage sweeper (``jobstream.stages.sweep``).
+6. The active relay also runs the stuck-stage sweeper (``streams.actions.sweep``).
 """
 
 from __future__ import annotations
@@ -259,7 +259,7 @@ class OutboxRelay:
         ev = JobFailed(tenant_id=job["tenant_id"], idempotency_key=job["idempotency_key"],
                        request_id=job["request_id"], job_id=job_id, dedup_key=job["dedup_key"],
                        generation=job["generation"],
-                       payload=JobFailedPayload(stage=job["current_stage"] or "uploaded",
+                       payload=JobFailedPayload(stage=job["current_stage"] or "intake",
                                                 error_code=code, error=error))
         Store.add_outbox(conn, outbox_message(
             self.settings.topic(topic_for("job.failed", None)), ev))
@@ -281,8 +281,8 @@ class OutboxRelay:
 
     def _stage_ctx(self) -> None:
         """Make the StageContext the sweeper and retention share (on first use)."""
-        from jobstream.stages import StageContext
         from jobstream.store import Store
+        from streams.context import StageContext
         if self._ctx is None:
             self._ctx = StageContext(self.settings, Store.for_process(
                 self.settings, "relay", self.settings.db_pool_relay_max))
@@ -290,7 +290,7 @@ class OutboxRelay:
     def _sweep(self) -> None:
         """Run the stuck-stage sweeper (the active relay is the one process that does)."""
         from jobstream.errors import RetryableError
-        from jobstream.stages import sweep
+        from streams.actions import sweep
         self._stage_ctx()
         try:
             for action in sweep(self._ctx):

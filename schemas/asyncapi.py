@@ -1,7 +1,8 @@
 """Generate the AsyncAPI 3.0 document of jobstream's topics from the pydantic models.
 
 ``python -m schemas.asyncapi`` writes ``schemas/asyncapi.json``; ``--check`` exits 1 when the
-committed file differs from what the models and topic lists generate (drift). ``jobstream
+committed file differs from what the models and the pipeline definition (``schemas.pipeline``)
+generate (drift). ``jobstream
 schemas`` (``schemas.generate``) writes and checks it together with the JSON Schema files.
 
 The document describes jobstream as the application: the topics it receives (``document.uploaded``
@@ -18,10 +19,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from jobstream.kafka import CONSUMED_TOPICS, LANE_TOPICS, PIPELINE_TOPICS, STAGE_TOPICS
 from schemas.events import EVENT_MODELS, SCHEMA_VERSION
+from schemas.pipeline import PIPELINE, Pipeline
 
 OUT = Path(__file__).parent / "asyncapi.json"
 KAFKA_BINDING_VERSION = "0.5.0"
@@ -72,28 +74,30 @@ REPLAY_HEADERS: dict[str, str] = {
                          "replayed from.",
 }
 
-#: Who produces / consumes each topic, for the operations' descriptions.
-PRODUCED_BY = {
-    "document.uploaded": "other services (jobstream submit for tests and demos)",
-    "job.accepted": "intake",
-    "job.text_extracted": "extraction",
-    "job.chunks_ready": "chunking (interactive lane)",
-    "job.chunks_ready.batch": "chunking (batch lane)",
-    "job.llm_done": "the LLM stage",
-    "job.validated": "validation",
-    "job.ready": "publication",
-    "job.failed": "any stage (a job that ended without a result)",
-}
-CONSUMED_BY = {
-    "document.uploaded": "intake",
-    "job.accepted": "extraction",
-    "job.text_extracted": "chunking",
-    "job.chunks_ready": "the LLM stage of the interactive lane (agent llm)",
-    "job.chunks_ready.batch": "the LLM stage of the batch lane (agent llm_batch)",
-    "job.llm_done": "validation",
-    "job.validated": "publication",
-    "job.ready": "downstream services (the consumers/ library; see examples/downstream_service/)",
-}
+def produced_by(pipeline: Pipeline = PIPELINE) -> dict[str, str]:
+    """Topic -> who produces it, for the channels' descriptions (from ``pipeline``)."""
+    out = {pipeline.stages[0].consumes: "other services (jobstream submit for tests and demos)"}
+    for before, stage in zip(pipeline.stages, pipeline.stages[1:], strict=False):
+        out[stage.consumes] = f"stage {before.name}" + (" (interactive lane)" if stage.lanes
+                                                        else "")
+        for lane, topic in stage.lanes.items():
+            out[topic] = f"stage {before.name} ({lane} lane)"
+    out[pipeline.result_event] = f"stage {pipeline.stages[-1].name}"
+    out[pipeline.failed_event] = "any stage (a job that ended without a result)"
+    return out
+
+
+def consumed_by(pipeline: Pipeline = PIPELINE) -> dict[str, str]:
+    """Topic -> who consumes it, for the channels' and operations' descriptions."""
+    out = {}
+    for stage in pipeline.stages:
+        out[stage.consumes] = f"stage {stage.name}" + (
+            f" (interactive lane, agent {stage.name})" if stage.lanes else "")
+        for lane, topic in stage.lanes.items():
+            out[topic] = f"stage {stage.name} ({lane} lane, agent {stage.name}_{lane})"
+    out[pipeline.result_event] = ("downstream services (the consumers/ library; see "
+                                  "examples/downstream_service/)")
+    return out
 
 
 def _id(topic: str) -> str:
@@ -121,17 +125,21 @@ def _key(topic: str) -> dict[str, Any]:
             "description": "job_id: every event of a job on one partition (per-job order)."}
 
 
-def render() -> dict[str, Any]:
-    """The AsyncAPI 3.0 document as a dict (deterministic)."""
-    _, top = models_json_schema([(m, "serialization") for m in EVENT_MODELS.values()],
+def render(pipeline: Pipeline = PIPELINE,
+           models: dict[str, type[BaseModel]] | None = None) -> dict[str, Any]:
+    """The AsyncAPI 3.0 document of ``pipeline`` as a dict (deterministic).
+
+    ``models`` maps each event type to its pydantic model (default
+    ``schemas.events.EVENT_MODELS``); every topic's event type must have one (``KeyError``).
+    """
+    models = EVENT_MODELS if models is None else models
+    _, top = models_json_schema([(m, "serialization") for m in models.values()],
                                 ref_template="#/components/schemas/{model}")
     schemas: dict[str, Any] = dict(sorted(top["$defs"].items()))
-    model_name = {t: m.__name__ for t, m in EVENT_MODELS.items()}
-    lane_of = {v: k for k, v in LANE_TOPICS.items()}
-
-    def event_type_of(topic: str) -> str:
-        """The event type a topic carries (a lane topic carries its base topic's type)."""
-        return lane_of.get(topic, topic)
+    model_name = {t: m.__name__ for t, m in models.items()}
+    event_type_of = pipeline.event_type_of
+    produced, consumed = produced_by(pipeline), consumed_by(pipeline)
+    intake = pipeline.stages[0]
 
     messages: dict[str, Any] = {}
     channels: dict[str, Any] = {}
@@ -139,13 +147,13 @@ def render() -> dict[str, Any]:
     topic_binding = {"kafka": {"bindingVersion": KAFKA_BINDING_VERSION,
                                "topicConfiguration": {"cleanup.policy": ["delete"]}}}
 
-    for topic in PIPELINE_TOPICS:
-        job_event = topic != "document.uploaded"
+    for topic in pipeline.topics():
+        job_event = topic != intake.consumes
         headers = {**_event_headers(topic), **REPLAY_HEADERS}
         required = (tuple(EVENT_HEADERS) + tuple(JOB_HEADERS)) if job_event else ()
         mid = _id(topic)
         etype = event_type_of(topic)
-        model = EVENT_MODELS[etype]
+        model = models[etype]
         messages[mid] = {
             "name": topic, "title": topic,
             "summary": (model.__doc__ or topic).strip().splitlines()[0],
@@ -164,27 +172,28 @@ def render() -> dict[str, Any]:
                 "before producing.")
         channels[mid] = {
             "address": topic, "title": topic,
-            "description": f"Produced by {PRODUCED_BY[topic]}"
-                           + (f"; consumed by {CONSUMED_BY[topic]}." if topic in CONSUMED_BY
+            "description": f"Produced by {produced[topic]}"
+                           + (f"; consumed by {consumed[topic]}." if topic in consumed
                               else "; not consumed by jobstream."),
             "messages": {mid: {"$ref": f"#/components/messages/{mid}"}},
             "bindings": topic_binding,
         }
-        if topic != "document.uploaded":
+        if job_event:
             operations[f"send_{mid}"] = {
                 "action": "send", "channel": {"$ref": f"#/channels/{mid}"},
-                "summary": f"{PRODUCED_BY[topic]} writes it to the outbox; the relay "
+                "summary": f"{produced[topic]} writes it to the outbox; the relay "
                            "publishes it (at-least-once, idempotent producer, acks=all).",
                 "messages": [{"$ref": f"#/channels/{mid}/messages/{mid}"}]}
-        if topic in CONSUMED_TOPICS:
+        if topic in pipeline.consumed_topics():
             operations[f"receive_{mid}"] = {
                 "action": "receive", "channel": {"$ref": f"#/channels/{mid}"},
-                "summary": f"{CONSUMED_BY[topic]}: applied exactly once per (consumer group, "
+                "summary": f"{consumed[topic]}: applied exactly once per (consumer group, "
                            "dedup_key, event_type)" if job_event else
-                           "intake: one job per (tenant, idempotency_key) and per dedup_key.",
+                           f"{intake.name}: one job per (tenant, idempotency_key) and per "
+                           "dedup_key.",
                 "messages": [{"$ref": f"#/channels/{mid}/messages/{mid}"}]}
 
-    for topic in STAGE_TOPICS:
+    for topic in pipeline.stage_topics():
         twin, src = f"{topic}.retry", _id(topic)
         mid = _id(twin)
         messages[mid] = {
@@ -208,7 +217,7 @@ def render() -> dict[str, Any]:
                 "action": action, "channel": {"$ref": f"#/channels/{mid}"},
                 "messages": [{"$ref": f"#/channels/{mid}/messages/{mid}"}]}
 
-    for topic in CONSUMED_TOPICS:
+    for topic in pipeline.consumed_topics():
         twin = f"{topic}.dlq"
         mid = _id(twin)
         messages[mid] = {
@@ -266,9 +275,9 @@ def render() -> dict[str, Any]:
     }
 
 
-def render_text() -> str:
+def render_text(pipeline: Pipeline = PIPELINE) -> str:
     """The document as committed: JSON, 2-space indent, trailing newline."""
-    return json.dumps(render(), indent=2) + "\n"
+    return json.dumps(render(pipeline), indent=2) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -108,7 +108,7 @@ class JobAcceptedPayload(_Frozen):
 
 
 class TextExtractedPayload(_Frozen):
-    """Text extraction finished; the text is in the ``text_extracted`` checkpoint."""
+    """Text extraction finished; the text is in the ``extract`` checkpoint."""
 
     text_sha256: Sha256Hex
     char_count: int = Field(ge=0)

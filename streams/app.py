@@ -7,24 +7,48 @@ configuration, not a side effect of whichever worker started first.
 
 from __future__ import annotations
 
+import importlib
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import faust
 
 from jobstream.settings import Settings
-from jobstream.stages import StageContext
 from jobstream.store import Store
-from streams import chunk, extract, intake, llm, offsets, publish, records, validate
+from schemas.pipeline import PIPELINE, Pipeline
+from streams import offsets, records
+from streams.context import StageContext
 
-AGENTS = {"intake": intake.register, "extract": extract.register, "chunk": chunk.register,
-          "llm": llm.register, "llm_batch": llm.register_batch, "validate": validate.register,
-          "publish": publish.register}
-#: Which agents a worker of each lane runs. ``all`` is one process for everything; the lanes
-#: split the costly stage into two consumer pools (run one or the other style, not both).
-LANES = {"all": tuple(AGENTS), "interactive": tuple(a for a in AGENTS if a != "llm_batch"),
-         "batch": ("llm_batch",)}
+
+def agents(pipeline: Pipeline = PIPELINE) -> dict[str, Callable[[faust.App, StageContext], Any]]:
+    """Agent name -> its register function, in flow order, derived from ``pipeline``: the
+    stage ``<name>`` is ``streams.<name>.register``; its lane ``<lane>`` is
+    ``streams.<name>.register_<lane>`` (agent ``<name>_<lane>``). Raises
+    ``ModuleNotFoundError`` / ``AttributeError`` for a stage without its module."""
+    out: dict[str, Callable[[faust.App, StageContext], Any]] = {}
+    for stage in pipeline.stages:
+        module = importlib.import_module(f"streams.{stage.name}")
+        out[stage.name] = module.register
+        for lane in stage.lanes:
+            out[f"{stage.name}_{lane}"] = getattr(module, f"register_{lane}")
+    return out
+
+
+def lanes(pipeline: Pipeline = PIPELINE) -> dict[str, tuple[str, ...]]:
+    """Which agents a worker of each lane runs. ``all`` is one process for everything; the
+    lanes split each stage that has a batch lane into two consumer pools (run one or the other
+    style, not both): ``batch`` runs only the lane agents, ``interactive`` the others."""
+    every = pipeline.agents()
+    batch = tuple(f"{s.name}_batch" for s in pipeline.stages if "batch" in s.lanes)
+    return {"all": every, "interactive": tuple(a for a in every if a not in batch),
+            "batch": batch}
+
+
+AGENTS = agents()
+#: Which agents a worker of each lane runs (:func:`lanes`).
+LANES = lanes()
 
 
 def create_app(settings: Settings, stages: Iterable[str] | None = None,

@@ -17,7 +17,7 @@ Routing (style.md lesson 4: agents stay thin, failures are routed explicitly):
   ``retry_rounds`` rounds the job fails (``retry_budget_exhausted``) and the message is
   dead-lettered for inspection;
 - a bug (any other exception) -> dead-lettered with reason ``unhandled``, never a crash loop;
-  the stage run already ended (:func:`jobstream.stages.run_stage` fails the job with
+  the stage run already ended (:func:`streams.runner.run_stage` fails the job with
   ``internal_error`` and a ``job.failed`` event).
 
 Offsets follow completion: the committed offset of a partition is the lowest one whose message
@@ -42,9 +42,11 @@ from jobstream import faults, logs
 from jobstream.deadletter import UNHANDLED, DeadLetterSink, classify, describe
 from jobstream.errors import OutcomeUnknown, PoisonMessage, RetryableError
 from jobstream.settings import Settings
-from jobstream.stages import SPECS, StageContext, give_up
 from schemas.events import decode_event
+from schemas.pipeline import PIPELINE
 from streams import offsets
+from streams.actions import give_up
+from streams.context import StageContext
 
 log = logging.getLogger("jobstream.streams")
 
@@ -97,8 +99,8 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
     topic = app.topic(s.topic(source), **kw)
     retry_topic = app.topic(s.topic(source + ".retry"), **kw)
     # Log context + trace span of each message (intake is where a trace may start).
-    scope = {"stage": SPECS[consumes].stage if consumes in SPECS else "uploaded",
-             "group": app.conf.id, "start_trace": consumes == "document.uploaded"}
+    scope = {"stage": PIPELINE.consumer_of(consumes).name,
+             "group": app.conf.id, "start_trace": consumes == PIPELINE.stages[0].consumes}
 
     sink = _sink(ctx.settings, app.conf.id)
 

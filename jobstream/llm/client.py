@@ -11,7 +11,7 @@ Classification (design.md, "Stage work"):
 
 :func:`backoff_s` is "full jitter" exponential backoff (M. Brooker, "Exponential Backoff And
 Jitter", AWS Architecture Blog, 2015): ``uniform(0, min(cap, base * 2**attempt))``.
-Retrying is the caller's (``jobstream.stages``), because every attempt is recorded and fenced.
+Retrying is the caller's (``streams.llm``), because every attempt is recorded and fenced.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ INSERT INTO job_request (tenant_id, idempotency_key, request_hash, job_id, reque
 VALUES (%s, %s, %s, %s, %s);
 
 -- name: insert_done_stage
--- The intake checkpoint: the "uploaded" stage is done when the job exists.
+-- The intake checkpoint: the "intake" stage is done when the job exists.
 INSERT INTO job_stage (job_id, stage, status, attempt, input_hash, code_version, output,
                        emitted, started_at, finished_at)
 VALUES (%s, %s, 'succeeded', 1, %s, %s, %s, %s, now(), now());
@@ -300,7 +300,7 @@ UPDATE job SET status = 'running', current_stage = %s, cost_usd = cost_usd + %s,
  WHERE job_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled');
 
 -- name: succeed_job
-UPDATE job SET status = 'succeeded', current_stage = 'published', charge_usd = %s,
+UPDATE job SET status = 'succeeded', current_stage = 'publish', charge_usd = %s,
                finished_at = now(), updated_at = now()
  WHERE job_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled');
 
@@ -337,7 +337,7 @@ SELECT idx, text, text_sha256, llm_output FROM chunk WHERE job_id = %s ORDER BY 
 UPDATE chunk c SET llm_output = %(output)s, llm_attempt_id = %(attempt_id)s
  WHERE c.job_id = %(job_id)s AND c.idx = %(idx)s AND c.llm_output IS NULL
    AND EXISTS (SELECT 1 FROM job_stage s
-                WHERE s.job_id = c.job_id AND s.stage = 'llm_done'
+                WHERE s.job_id = c.job_id AND s.stage = 'llm'
                   AND s.run_token = %(run_token)s AND s.status = 'running')
    AND EXISTS (SELECT 1 FROM job j WHERE j.job_id = c.job_id
                 AND j.generation = %(generation)s);
@@ -537,7 +537,7 @@ SELECT j.job_id, j.tenant_id, j.status, j.current_stage, j.lane, j.filename, j.p
        j.cancel_requested_at, j.error_code, j.error, j.charge_usd, j.created_at,
        j.finished_at, j.generation,
        (SELECT min(s.started_at) FROM job_stage s
-         WHERE s.job_id = j.job_id AND s.stage <> 'uploaded') AS first_started_at,
+         WHERE s.job_id = j.job_id AND s.stage <> 'intake') AS first_started_at,
        (SELECT coalesce(sum(a.cost_usd), 0)::float8 FROM provider_attempt a
          WHERE a.job_id = j.job_id) AS cost_so_far_usd
   FROM job j WHERE j.job_id = %s AND j.tenant_id = %s;
@@ -656,7 +656,7 @@ SELECT stage, coalesce(sum(attempt), 0)::bigint AS runs,
        coalesce(sum(greatest(attempt - 1, 0)), 0)::bigint AS retries,
        coalesce(sum(lease_takeovers), 0)::bigint AS lease_takeovers,
        count(*) FILTER (WHERE status = 'running' AND lease_until < now()) AS expired_now
-  FROM job_stage WHERE stage <> 'uploaded' GROUP BY stage;
+  FROM job_stage WHERE stage <> 'intake' GROUP BY stage;
 
 -- name: metrics_provider_attempts
 -- Provider attempts per outcome and model profile, with their cost (USD) and how many the
@@ -674,7 +674,7 @@ WITH d AS (
            greatest(extract(epoch FROM s.finished_at - s.started_at), 0)::float8 AS v
       FROM job_stage s JOIN job j USING (job_id)
      WHERE s.finished_at >= now() - make_interval(secs => %(window_s)s)
-       AND s.status = 'succeeded' AND s.stage <> 'uploaded' AND s.started_at IS NOT NULL)
+       AND s.status = 'succeeded' AND s.stage <> 'intake' AND s.started_at IS NOT NULL)
 SELECT stage, lane,
        (SELECT count(*) FROM unnest(%(bounds)s::float8[]) AS b(le) WHERE b.le < d.v) AS idx,
        count(*) AS n, sum(v)::float8 AS sum_s

@@ -79,9 +79,9 @@ def test_hostile_documents_fail_with_their_codes_without_provider_calls_or_retri
         # No retry: one run of the extraction stage each, nothing on the retry topic, nothing
         # left running, and not a single provider call.
         stages = query(settings.database_url,
-                       "SELECT stage, status, attempt FROM job_stage WHERE stage <> 'uploaded'")
+                       "SELECT stage, status, attempt FROM job_stage WHERE stage <> 'intake'")
         assert {(s["stage"], s["status"], s["attempt"]) for s in stages} == {
-            ("text_extracted", "failed", 1)}, stages
+            ("extract", "failed", 1)}, stages
         assert read_topic(settings, settings.topic("job.accepted.retry")) == []
         assert query(settings.database_url, "SELECT count(*) AS n FROM provider_attempt"
                      )[0]["n"] == 0

@@ -35,7 +35,7 @@ DOCS_PER_ROUND = 9
 
 def _running_llm(url: str, tenant: str) -> int:
     return query(url, "SELECT count(*) AS n FROM job_stage s JOIN job j USING (job_id) "
-                      "WHERE j.tenant_id = %s AND s.stage = 'llm_done' AND s.status = 'running'",
+                      "WHERE j.tenant_id = %s AND s.stage = 'llm' AND s.status = 'running'",
                  (tenant,))[0]["n"]
 
 
@@ -104,7 +104,7 @@ def test_worker_joining_and_killed_mid_call_never_skips_an_offset(settings: Sett
             runner.stop_all()
 
         taken = query(url, "SELECT count(*) AS n FROM job_stage s JOIN job j USING (job_id) "
-                           "WHERE j.tenant_id = %s AND s.stage = 'llm_done' AND s.attempt > 1",
+                           "WHERE j.tenant_id = %s AND s.stage = 'llm' AND s.attempt > 1",
                       (tenant,))[0]["n"]
         print(f"{total} jobs, {taken} LLM stages taken over from a killed worker")
         assert taken >= 1, "no LLM stage was taken over: worker B never died mid-call"

@@ -130,7 +130,7 @@ def test_a_paused_worker_never_strands_its_job(rig: Rig, how: str,
                  120, "a provider attempt in flight", rig.runner.logs, every_s=0.1)
         os.kill(worker.popen.pid, signal.SIGSTOP)
     wait_for(lambda: _state(worker) == "T", 120, "the worker to be frozen", rig.runner.logs)
-    [paused] = query(url, "SELECT run_token FROM job_stage WHERE stage = 'llm_done'")
+    [paused] = query(url, "SELECT run_token FROM job_stage WHERE stage = 'llm'")
     if second_worker:
         rig.start("worker", name="worker-b")
     time.sleep(s.lease_s + s.sweep_grace_s + 20)  # 40 s, as in the issue
@@ -146,7 +146,7 @@ def test_a_paused_worker_never_strands_its_job(rig: Rig, how: str,
     assert job["sweeps"] <= 1, "the sweeper re-drove one expired lease more than once"
     if not second_worker:  # nobody took over: the sweeper re-drove, exactly once
         assert (job["generation"], job["sweeps"]) == (1, 1)
-    [llm] = query(url, "SELECT attempt, run_token FROM job_stage WHERE stage = 'llm_done'")
+    [llm] = query(url, "SELECT attempt, run_token FROM job_stage WHERE stage = 'llm'")
     assert llm["attempt"] == 2 and llm["run_token"] != paused["run_token"]
     # The paused run's work was fenced: its late answer (if any) discarded, never used.
     mine = [a for a in _attempts(url) if a["run_token"] == paused["run_token"]]
@@ -171,7 +171,7 @@ def test_a_provider_call_longer_than_the_lease_is_made_once(rig: Rig) -> None:
     rig.check(redrives=False)
     assert rig.fake.snapshot()["total"] == 1
     assert [a["outcome"] for a in _attempts(url)] == ["succeeded"]
-    assert query(url, "SELECT attempt FROM job_stage WHERE stage = 'llm_done'") == [
+    assert query(url, "SELECT attempt FROM job_stage WHERE stage = 'llm'") == [
         {"attempt": 1}]
     assert query(url, "SELECT generation, sweeps FROM job") == [{"generation": 0, "sweeps": 0}]
 

@@ -303,7 +303,7 @@ def test_postgres_outage_while_a_stage_commits_releases_the_claim_not_waits_for_
         submit(s, [uploaded_event(_document(99, docs / "doc.txt"), tenant_id=tenant,
                                   idempotency_key="doc", settings=s, model_profile="custom")])
         url = s.database_url
-        wait_for(lambda: query(url, "SELECT 1 FROM job_stage WHERE stage = 'llm_done' "
+        wait_for(lambda: query(url, "SELECT 1 FROM job_stage WHERE stage = 'llm' "
                                     "AND status = 'running'"), 60,
                  "the LLM stage to be claimed", private_procs.logs, every_s=0.05)
         # Hold back every outbox insert: the stage's completing transaction (checkpoint + next

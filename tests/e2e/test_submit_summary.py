@@ -39,21 +39,21 @@ def test_submit_mixed_documents_prints_a_summary_and_exits_1(
     # the per-job table: the failed jobs at the stage that failed, with the error code
     failed_rows = [ln for ln in lines if "broken-" in ln and "failed" in ln]
     assert len(failed_rows) == 2, out
-    assert all("text_extracted" in ln and "unparseable_document" in ln for ln in failed_rows)
+    assert all("extract" in ln and "unparseable_document" in ln for ln in failed_rows)
     # the summary table
     summary = out[out.index("4 jobs"):]
     row = {ln.split("│")[1].strip(): [c.strip() for c in ln.split("│")[2:-1]]
            for ln in summary.splitlines() if ln.count("│") >= 4}
     assert row["succeeded"][0] == "2", summary
     assert row["failed"][0] == "2", summary
-    assert row["failed"][1] == "unparseable_document at text_extracted ×2", summary
+    assert row["failed"][1] == "unparseable_document at extract ×2", summary
     assert row["cancelled"][0] == "0", summary
     assert "jobs finished" in out + r.stderr  # the bar counts jobs, failed ones included
     jobs = query(settings.database_url, "SELECT status, current_stage, error_code FROM job "
                  "WHERE tenant_id = 'acme' ORDER BY status")
     assert [(j["status"], j["current_stage"]) for j in jobs] == [
-        ("failed", "text_extracted"), ("failed", "text_extracted"),
-        ("succeeded", "published"), ("succeeded", "published")]
+        ("failed", "extract"), ("failed", "extract"),
+        ("succeeded", "publish"), ("succeeded", "publish")]
 
     ok = subprocess.run([sys.executable, "-m", "jobstream.cli", "submit", str(good[0])],
                         env=procs.env(JOBSTREAM_API_URL=url, JOBSTREAM_API_TOKEN="tok",
@@ -70,7 +70,7 @@ def test_submit_mixed_documents_prints_a_summary_and_exits_1(
                        capture_output=True, text=True, timeout=300)
     assert b.returncode == 1, b.stdout + b.stderr
     assert "succeeded 1, failed 1" in b.stdout, b.stdout
-    assert "unparseable_document at text_extracted" in b.stdout, b.stdout
+    assert "unparseable_document at extract" in b.stdout, b.stdout
     runs = query(settings.database_url, "SELECT generation FROM job WHERE tenant_id = 'acme' "
                  "AND filename = %s", (bad[0].name,))
     assert runs[0]["generation"] >= 1  # a new run of the failed job, not its old failure

@@ -89,21 +89,21 @@ def test_a_worker_frozen_past_its_lease_is_fenced_off_and_writes_nothing(race) -
     url = s.database_url
     runner.start("relay", **env)
     runner.start("consume-ready", **env)
-    # Worker A answers every chunk of its first job, then freezes before the llm_done
+    # Worker A answers every chunk of its first job, then freezes before the llm
     # checkpoint: alive, holding a claim whose lease runs out.
     a = runner.start("worker", name="worker-a", **env,
                      JOBSTREAM_FAULT="llm_after_provider_before_checkpoint=stop")
     tenant, keys = _submit(s, tmp, 3)
     wait_for(lambda: _state(a) == "T", 90, "worker A to freeze at the fault point", runner.logs)
     [held] = query(url, "SELECT job_id, run_token FROM job_stage "
-                        "WHERE stage = 'llm_done' AND status = 'running'")
+                        "WHERE stage = 'llm' AND status = 'running'")
 
     # Worker B joins; A's session and lease expire; B takes the stage over and finishes.
     runner.start("worker", name="worker-b", **env)
     wait_for(lambda: chaos.quiescent(s, tenant, len(keys)), 120,
              "worker B to finish every job", runner.logs)
     [stage] = query(url, "SELECT status, attempt, run_token FROM job_stage "
-                         "WHERE job_id = %s AND stage = 'llm_done'", (held["job_id"],))
+                         "WHERE job_id = %s AND stage = 'llm'", (held["job_id"],))
     assert stage["status"] == "succeeded" and stage["attempt"] == 2
     assert stage["run_token"] != held["run_token"]
     before = _snapshot(url)

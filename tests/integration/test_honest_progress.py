@@ -64,17 +64,17 @@ def test_failed_job_reports_the_failed_stage_and_a_new_key_starts_a_new_run(
         job_id = first.json()["job_id"]
         wait_for(lambda: _status_is(api, job_id, "failed"), 90, "the job to fail", procs.logs)
         v = _job(api, job_id)
-        # the stage that failed, not the last one that succeeded (chunks_ready)
-        assert v["current_stage"] == "llm_done" and v["error_code"] == "http_400", v
+        # the stage that failed, not the last one that succeeded (chunk)
+        assert v["current_stage"] == "llm" and v["error_code"] == "http_400", v
         assert query(settings.database_url, "SELECT current_stage FROM job WHERE job_id = %s",
-                     (job_id,))[0]["current_stage"] == "llm_done"
+                     (job_id,))[0]["current_stage"] == "llm"
         listing = procs.run("jobs", "--tenant", "acme", COLUMNS="250")
-        assert "llm_done" in listing.stdout and "http_400" in listing.stdout, listing.stdout
+        assert "llm" in listing.stdout and "http_400" in listing.stdout, listing.stdout
         with httpx.stream("GET", f"{api}/v1/jobs/{job_id}/events", headers=ACME,
                           timeout=30) as resp:
             lines = list(resp.iter_lines())
         end = json.loads(lines[lines.index("event: end") + 1].removeprefix("data: "))
-        assert end == {"status": "failed", "current_stage": "llm_done",
+        assert end == {"status": "failed", "current_stage": "llm",
                        "error_code": "http_400", "waiting_for": None}, end
 
         # The same key again: the same (failed) job, no new work.
@@ -148,5 +148,5 @@ def test_sse_sends_keep_alives_and_ends_on_needs_reconciliation(
         assert len(ends) == 1, lines[-10:]
         assert ends[0]["status"] == "needs_reconciliation"
         assert ends[0]["waiting_for"] == "operator"
-        assert ends[0]["current_stage"] == "llm_done"
+        assert ends[0]["current_stage"] == "llm"
         assert _job(api, job_id)["status"] == "needs_reconciliation"

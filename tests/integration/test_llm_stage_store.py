@@ -7,15 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from jobstream import stages
 from jobstream.db import connect
 from jobstream.errors import StaleRun
 from jobstream.llm.fake_provider import FakeProvider
 from jobstream.producer import uploaded_event
 from jobstream.settings import Settings
-from jobstream.stages import StageContext, handle_intake, run_stage
 from jobstream.store import Claim, Store
 from schemas.events import decode_event
+from streams import llm
+from streams.context import StageContext
+from streams.intake import handle_intake
+from streams.runner import run_stage
 from tests.helpers import query
 
 pytestmark = pytest.mark.integration
@@ -51,9 +53,9 @@ def chunked_job(settings: Settings, tmp_path: Path):
 
 
 def _claim(ctx: StageContext, ev, lease_s: float) -> Claim:
-    got = ctx.store.claim(job_id=ev.job_id, stage="llm_done", group="g", dedup_key=ev.dedup_key,
+    got = ctx.store.claim(job_id=ev.job_id, stage="llm", group="g", dedup_key=ev.dedup_key,
                           event_type=ev.event_type, event_id=ev.event_id, lease_s=lease_s,
-                          code_version=ctx.code_version("llm_done"))
+                          code_version=ctx.code_version("llm"))
     assert isinstance(got, Claim), got
     return got
 
@@ -97,9 +99,9 @@ def test_a_run_resuming_after_a_dead_one_pays_nothing_again_and_reports_the_stag
     ctx, fake, ev = chunked_job
     url = ctx.settings.database_url
     dead = _claim(ctx, ev, lease_s=30)
-    stages._llm(ctx, dead, ev)  # every chunk answered and saved; then the run "dies"
+    llm.work(ctx, dead, ev)  # every chunk answered and saved; then the run "dies"
     with connect(url) as conn:  # ... and its lease runs out
-        conn.execute("UPDATE job_stage SET lease_until = now() WHERE stage = 'llm_done'")
+        conn.execute("UPDATE job_stage SET lease_until = now() WHERE stage = 'llm'")
     calls = fake.snapshot()["total"]
     assert run_stage(ctx, ev) == "done"  # the lease expired: taken over, nothing left to ask
     assert fake.snapshot()["total"] == calls

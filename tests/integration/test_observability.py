@@ -28,7 +28,7 @@ UP_API = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 UP_KAFKA = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 JOB_EVENTS = ("job.accepted", "job.text_extracted", "job.chunks_ready", "job.llm_done",
               "job.validated", "job.ready")
-STAGES = ("text_extracted", "chunks_ready", "llm_done", "validated", "published")
+STAGES = ("extract", "chunk", "llm", "validate", "publish")
 
 
 def _free_port() -> int:

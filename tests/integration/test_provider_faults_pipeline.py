@@ -164,7 +164,7 @@ def test_validator_bump_reruns_only_validation_and_a_new_prompt_is_a_new_computa
     # Deploy a new validator: restart the workers with its code version bumped, re-drive.
     procs.kill9(worker)
     procs.start("worker", name="worker-v2",
-                **env, JOBSTREAM_STAGE_CODE_VERSIONS='{"validated": "validate-2"}')
+                **env, JOBSTREAM_STAGE_CODE_VERSIONS='{"validate": "validate-2"}')
     r = subprocess.run([sys.executable, "-m", "jobstream.cli", "redrive", str(job["job_id"])],
                        env=procs.env(), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -172,15 +172,15 @@ def test_validator_bump_reruns_only_validation_and_a_new_prompt_is_a_new_computa
     def revalidated() -> bool:
         rows = query(settings.database_url,
                      "SELECT code_version FROM job_stage WHERE job_id = %s AND stage = "
-                     "'validated'", (job["job_id"],))
+                     "'validate'", (job["job_id"],))
         return rows[0]["code_version"] == "validate-2" and _status(settings, "k") == "succeeded"
     wait_for(revalidated, 90, "validation to re-run", procs.logs)
     stages = {r["stage"]: r for r in query(
         settings.database_url, "SELECT stage, attempt, code_version FROM job_stage "
         "WHERE job_id = %s", (job["job_id"],))}
-    assert stages["llm_done"]["attempt"] == 1  # the paid stage was not redone
-    assert stages["text_extracted"]["attempt"] == 1 and stages["chunks_ready"]["attempt"] == 1
-    assert stages["validated"]["attempt"] == 2 and stages["published"]["attempt"] == 2
+    assert stages["llm"]["attempt"] == 1  # the paid stage was not redone
+    assert stages["extract"]["attempt"] == 1 and stages["chunk"]["attempt"] == 1
+    assert stages["validate"]["attempt"] == 2 and stages["publish"]["attempt"] == 2
     assert fake.snapshot()["total"] == calls_before
     _agree(fake, settings, job["job_id"])
 

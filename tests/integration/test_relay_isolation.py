@@ -27,9 +27,10 @@ from psycopg.types.json import Jsonb
 from jobstream.db import QUERIES as Q
 from jobstream.kafka import base_config
 from jobstream.settings import Settings
-from jobstream.stages import StageContext, handle_intake
 from jobstream.store import Store
 from schemas.events import DocumentRef, DocumentUploaded, DocumentUploadedPayload
+from streams.context import StageContext
+from streams.intake import handle_intake
 from tests.helpers import ProcessRunner, query, read_topic, wait_for
 
 pytestmark = pytest.mark.integration

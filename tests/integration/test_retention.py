@@ -19,9 +19,10 @@ from confluent_kafka.admin import (
 from jobstream.errors import IdempotencyConflict
 from jobstream.kafka import all_topics
 from jobstream.settings import Settings
-from jobstream.stages import StageContext, handle_intake
 from jobstream.store import Store
 from schemas.events import DocumentRef, DocumentUploaded, DocumentUploadedPayload
+from streams.context import StageContext
+from streams.intake import handle_intake
 from tests.helpers import ProcessRunner, query
 
 pytestmark = pytest.mark.integration

@@ -13,15 +13,17 @@ from typing import Any
 
 import pytest
 
-from jobstream import stages
 from jobstream.db import connect
 from jobstream.errors import StaleRun
 from jobstream.llm.fake_provider import FakeProvider
 from jobstream.producer import uploaded_event
 from jobstream.settings import Settings
-from jobstream.stages import StageContext, handle_intake, run_stage, sweep
 from jobstream.store import Claim, LeaseHeld, Skip, Store
-from schemas.events import decode_event
+from schemas.events import JobFailed, JobFailedPayload, LlmDone, LlmDonePayload, decode_event
+from streams.actions import redrive, sweep
+from streams.context import StageContext, outbox_msg
+from streams.intake import handle_intake
+from streams.runner import run_stage
 from tests.helpers import query, wait_for
 
 pytestmark = pytest.mark.integration
@@ -61,22 +63,22 @@ def job(settings: Settings, tmp_path: Path):
 
 
 def _claim(ctx: StageContext, ev: Any, lease_s: float = 30.0) -> Any:
-    return ctx.store.claim(job_id=ev.job_id, stage="llm_done", group=GROUP,
+    return ctx.store.claim(job_id=ev.job_id, stage="llm", group=GROUP,
                            dedup_key=ev.dedup_key, event_type=ev.event_type,
                            event_id=ev.event_id, lease_s=lease_s,
-                           code_version=ctx.code_version("llm_done"), generation=ev.generation)
+                           code_version=ctx.code_version("llm"), generation=ev.generation)
 
 
 def _expire(url: str, seconds_ago: float = 1.0) -> None:
     """Move the LLM stage's lease end ``seconds_ago`` into the past."""
     with connect(url) as conn:
         conn.execute("UPDATE job_stage SET lease_until = now() - make_interval(secs => %s) "
-                     "WHERE stage = 'llm_done'", (seconds_ago,))
+                     "WHERE stage = 'llm'", (seconds_ago,))
 
 
 def _stage(url: str) -> dict[str, Any]:
     [row] = query(url, "SELECT status, attempt, run_token, error_code FROM job_stage "
-                       "WHERE stage = 'llm_done'")
+                       "WHERE stage = 'llm'")
     return row
 
 
@@ -87,15 +89,15 @@ def _generation(url: str) -> int:
 
 def _complete(ctx: StageContext, claim: Claim, ev: Any) -> None:
     """Complete ``claim`` with a dummy result (what run_stage does after the work)."""
-    nxt = stages.LlmDone(tenant_id=ev.tenant_id, request_id=ev.request_id, job_id=ev.job_id,
+    nxt = LlmDone(tenant_id=ev.tenant_id, request_id=ev.request_id, job_id=ev.job_id,
                          dedup_key=ev.dedup_key, generation=claim.generation,
                          idempotency_key=claim.job["idempotency_key"],
-                         payload=stages.LlmDonePayload(chunk_count=1, output_sha256="0" * 64,
+                         payload=LlmDonePayload(chunk_count=1, output_sha256="0" * 64,
                                                        provider_calls=0, reused=True,
                                                        cost_usd=0.0))
     ctx.store.complete(claim, output={}, input_hash="h", code_version="llm-1", cost_usd=0.0,
                        group=GROUP, event_type=ev.event_type, event_id=ev.event_id,
-                       next_msg=stages._msg(ctx, nxt, claim.job["lane"]))
+                       next_msg=outbox_msg(ctx, nxt, claim.job["lane"]))
 
 
 def _writes(url: str) -> dict[str, int]:
@@ -166,7 +168,7 @@ def test_the_sweeper_re_drive_fences_the_paused_run_in_the_same_transaction(job)
     attempt = ctx.store.start_attempt(paused, chunk_idx=0, attempt=1, model="m",
                                       est_cost_usd=0.1)
     _expire(url)
-    assert sweep(ctx) == [f"re-drove {ev.job_id} from llm_done"]
+    assert sweep(ctx) == [f"re-drove {ev.job_id} from llm"]
     st = _stage(url)
     assert st["status"] == "pending" and st["run_token"] is None
     assert _generation(url) == 1
@@ -260,12 +262,12 @@ def test_the_sweeper_does_not_stall_behind_a_frozen_transaction(job) -> None:
         sweeper.join(30)
         assert result == [[]], "the sweeper waited on the lock instead of postponing the job"
         frozen.rollback()
-    assert sweep(ctx) == [f"re-drove {ev.job_id} from llm_done"]
+    assert sweep(ctx) == [f"re-drove {ev.job_id} from llm"]
 
 
 def _try_redrive(ctx: StageContext, job_id: uuid.UUID, seen: dict[str, Any]) -> str:
     try:
-        stages.redrive(ctx, job_id, from_stage=seen["stage"], allowed=("queued", "running"),
+        redrive(ctx, job_id, from_stage=seen["stage"], allowed=("queued", "running"),
                        fence=(seen["stage"], seen["run_token"], 0.0))
     except StaleRun:
         return "stale"
@@ -284,7 +286,7 @@ def test_a_stage_out_of_runs_fails_once_with_its_orphans_closed(job) -> None:
     assert claim.attempt == 2
     ctx.store.start_attempt(claim, chunk_idx=0, attempt=1, model="m", est_cost_usd=0.3)
     _expire(url)
-    assert sweep(ctx) == [f"failed {ev.job_id} at llm_done"]
+    assert sweep(ctx) == [f"failed {ev.job_id} at llm"]
     assert sweep(ctx) == []
     assert query(url, "SELECT status, error_code FROM job") == [
         {"status": "failed", "error_code": "stage_attempts_exhausted"}]
@@ -307,13 +309,13 @@ def test_every_terminal_move_of_a_run_is_fenced_by_generation(job, move: str) ->
     assert isinstance(new, Claim) and new.generation == 1
     # Even with the old token put back (the worst case), the generation fence holds.
     with connect(url) as conn:
-        conn.execute("UPDATE job_stage SET run_token = %s WHERE stage = 'llm_done'",
+        conn.execute("UPDATE job_stage SET run_token = %s WHERE stage = 'llm'",
                      (old.run_token,))
     before = _writes(url)
-    failed = stages._msg(ctx, stages.JobFailed(
+    failed = outbox_msg(ctx, JobFailed(
         tenant_id=ev.tenant_id, idempotency_key="k", job_id=ev.job_id, dedup_key=ev.dedup_key,
         request_id=ev.request_id, generation=0,
-        payload=stages.JobFailedPayload(stage="llm_done", error_code="x", error="x")))
+        payload=JobFailedPayload(stage="llm", error_code="x", error="x")))
     kw = {"group": GROUP, "event_type": ev.event_type, "event_id": ev.event_id}
     if move == "release":
         ctx.store.release(old, error_code="x", error="x")  # a no-op, never an error

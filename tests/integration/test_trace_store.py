@@ -9,7 +9,6 @@ import pytest
 
 from jobstream import tracing
 from jobstream.settings import Settings
-from jobstream.stages import StageContext, handle_intake
 from jobstream.store import Store, outbox_message
 from schemas.events import (
     DocumentRef,
@@ -18,6 +17,8 @@ from schemas.events import (
     JobFailed,
     JobFailedPayload,
 )
+from streams.context import StageContext
+from streams.intake import handle_intake
 from tests.helpers import query
 
 pytestmark = pytest.mark.integration
@@ -34,7 +35,7 @@ def _uploaded(key: str) -> DocumentUploaded:
 def _failed(job: dict) -> JobFailed:
     return JobFailed(tenant_id=job["tenant_id"], idempotency_key=job["idempotency_key"],
                      job_id=job["job_id"], dedup_key=job["dedup_key"],
-                     payload=JobFailedPayload(stage="llm_done", error_code="x", error="x"))
+                     payload=JobFailedPayload(stage="llm", error_code="x", error="x"))
 
 
 def _trace_of_last_row(url: str) -> str:

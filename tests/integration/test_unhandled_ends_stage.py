@@ -34,7 +34,7 @@ def test_an_unexpected_error_in_a_stage_fails_the_job_at_once(
     stages = {r["stage"]: (r["status"], r["error_code"]) for r in query(
         url, "SELECT stage, status, error_code FROM job_stage WHERE job_id = %s",
         (job["job_id"],))}
-    assert stages["llm_done"] == ("failed", "internal_error"), stages
+    assert stages["llm"] == ("failed", "internal_error"), stages
     assert not [s for s, (st, _) in stages.items() if st == "running"], stages
     failed = wait_for(lambda: [json.loads(m.value()) for m in read_topic(
         settings, settings.topic("job.failed"))], 30, "job.failed on the topic")

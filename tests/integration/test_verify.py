@@ -55,11 +55,11 @@ def test_verify_clean_then_reports_exactly_the_broken_invariants(
                       "ORDER BY job_id", (tenant,))
     charged, stranded = str(jobs[0]["job_id"]), str(jobs[1]["job_id"])
     # Break two guarantees by hand (test-only SQL): a second ledger charge for one job, and
-    # the other job put back to llm_done with the stages after it gone, an hour ago.
+    # the other job put back to llm with the stages after it gone, an hour ago.
     query(url, "INSERT INTO downstream.ledger_charge (tenant_id, dedup_key, job_id, amount_usd) "
                "SELECT tenant_id, dedup_key, job_id, charge_usd FROM job WHERE job_id = %s "
                "RETURNING 1", (charged,))
-    query(url, "DELETE FROM job_stage WHERE job_id = %s AND stage IN ('validated', 'published') "
+    query(url, "DELETE FROM job_stage WHERE job_id = %s AND stage IN ('validate', 'publish') "
                "RETURNING 1", (stranded,))
     query(url, "UPDATE job_stage SET finished_at = now() - interval '1 hour', "
                "updated_at = now() - interval '1 hour' WHERE job_id = %s RETURNING 1",
@@ -67,7 +67,7 @@ def test_verify_clean_then_reports_exactly_the_broken_invariants(
     query(url, "UPDATE outbox SET created_at = created_at - interval '1 hour', "
                "published_at = published_at - interval '1 hour' WHERE kafka_key = %s "
                "RETURNING 1", (stranded,))
-    query(url, "UPDATE job SET status = 'running', current_stage = 'llm_done', "
+    query(url, "UPDATE job SET status = 'running', current_stage = 'llm', "
                "finished_at = NULL, updated_at = now() - interval '1 hour' WHERE job_id = %s "
                "RETURNING 1", (stranded,))
 
@@ -76,7 +76,7 @@ def test_verify_clean_then_reports_exactly_the_broken_invariants(
     assert not report["errors"], report
     assert _broken(report) == {"applied_twice": [[charged]], "stuck_jobs": [[stranded]],
                                "stranded_stages": [[stranded]]}, report
-    assert "llm_done succeeded" in report["checks"]["stranded_stages"][0]["detail"]
+    assert "llm succeeded" in report["checks"]["stranded_stages"][0]["detail"]
     assert "ledger_charge has 2 rows" in report["checks"]["applied_twice"][0]["detail"]
 
     # Text output and exit code of the plain command.

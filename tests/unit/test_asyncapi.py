@@ -87,7 +87,7 @@ def test_every_reference_resolves_and_job_topics_are_keyed_by_job_id() -> None:
 def test_documented_headers_are_the_ones_the_code_writes() -> None:
     job_ev = JobFailed(tenant_id="t", idempotency_key="k", job_id=uuid.uuid4(),
                        dedup_key="f" * 64,
-                       payload=JobFailedPayload(stage="llm_done", error_code="x", error="y"))
+                       payload=JobFailedPayload(stage="llm", error_code="x", error="y"))
     assert set(outbox_message("job.failed", job_ev).headers) == (
         set(asyncapi.EVENT_HEADERS) | set(asyncapi.JOB_HEADERS))
     up = DocumentUploaded(tenant_id="t", idempotency_key="k", payload=DocumentUploadedPayload(
@@ -109,14 +109,14 @@ def test_every_message_payload_names_its_own_event_model() -> None:
     """Each topic's message (and its .retry / .dlq twin) points at the model of the event
     type that topic carries — a reused loop variable once made every twin say JobFailed."""
     from schemas.events import EVENT_MODELS
+    from schemas.pipeline import PIPELINE
 
-    lane_of = {v: k for k, v in asyncapi.LANE_TOPICS.items()}
     messages = _doc()["components"]["messages"]
     checked = 0
     for msg in messages.values():
         name = msg["name"]
         base = name.removesuffix(".retry").removesuffix(".dlq")
-        model = EVENT_MODELS[lane_of.get(base, base)].__name__
+        model = EVENT_MODELS[PIPELINE.event_type_of(base)].__name__
         payload = msg["payload"]
         if name.endswith(".dlq"):
             assert f"the {model} schema" in payload["description"], name

@@ -102,7 +102,7 @@ def test_committed_json_schemas_match_the_models() -> None:
 def test_job_ids_are_uuids_in_job_events() -> None:
     from schemas.events import JobFailed, JobFailedPayload
     ev = JobFailed(tenant_id="t", idempotency_key="k", job_id=uuid.uuid4(), dedup_key="f" * 64,
-                   payload=JobFailedPayload(stage="llm_done", error_code="x", error="y"))
+                   payload=JobFailedPayload(stage="llm", error_code="x", error="y"))
     assert decode_event(ev.model_dump_json()).job_id == ev.job_id
 
 

@@ -13,21 +13,21 @@ SNAP = {
     "jobs": [{"lane": "interactive", "status": "succeeded", "n": 3},
              {"lane": "interactive", "status": "failed", "n": 1},
              {"lane": "batch", "status": "running", "n": 2}],
-    "stage_runs": [{"stage": "llm_done", "runs": 8, "retries": 2, "lease_takeovers": 1,
+    "stage_runs": [{"stage": "llm", "runs": 8, "retries": 2, "lease_takeovers": 1,
                     "expired_now": 1},
-                   {"stage": "validated", "runs": 2, "retries": 0, "lease_takeovers": 0,
+                   {"stage": "validate", "runs": 2, "retries": 0, "lease_takeovers": 0,
                     "expired_now": 0}],
     "provider_attempts": [
         {"outcome": "succeeded", "model_profile": "openai", "n": 5, "cost_usd": 0.25},
         {"outcome": "outcome_unknown", "model_profile": "openai", "n": 2, "cost_usd": 0.05},
         {"outcome": "started", "model_profile": "openai", "n": 1, "cost_usd": 0.0}],
     "outbox": [{"n": 4, "oldest_s": 12.5}],
-    # llm_done/interactive: 2 values <= 0.05 s (idx 0), 1 value in (1, 2.5] (idx 5), 1 above
+    # llm/interactive: 2 values <= 0.05 s (idx 0), 1 value in (1, 2.5] (idx 5), 1 above
     # every bound (idx len(BUCKETS_S)).
     "stage_durations": [
-        {"stage": "llm_done", "lane": "interactive", "idx": 0, "n": 2, "sum_s": 0.04},
-        {"stage": "llm_done", "lane": "interactive", "idx": 5, "n": 1, "sum_s": 2.0},
-        {"stage": "llm_done", "lane": "interactive", "idx": len(BUCKETS_S), "n": 1,
+        {"stage": "llm", "lane": "interactive", "idx": 0, "n": 2, "sum_s": 0.04},
+        {"stage": "llm", "lane": "interactive", "idx": 5, "n": 1, "sum_s": 2.0},
+        {"stage": "llm", "lane": "interactive", "idx": len(BUCKETS_S), "n": 1,
          "sum_s": 7200.0}],
     "queue_waits": [],
 }
@@ -55,8 +55,8 @@ def test_postgres_families_compute_rates_costs_and_cumulative_buckets() -> None:
     assert m[("jobstream_jobs_accepted", (("lane", "interactive"),))] == 3
     assert m[("jobstream_jobs_accepted", (("lane", "batch"),))] == 0
     assert m[("jobstream_job_retry_rate", ())] == 0.2  # 2 retries / 10 runs
-    assert m[("jobstream_lease_expired_total", (("stage", "llm_done"),))] == 1
-    assert m[("jobstream_leases_expired", (("stage", "llm_done"),))] == 1
+    assert m[("jobstream_lease_expired_total", (("stage", "llm"),))] == 1
+    assert m[("jobstream_leases_expired", (("stage", "llm"),))] == 1
     ok = (("model_profile", "openai"), ("outcome", "succeeded"))
     assert m[("jobstream_provider_attempts_total", ok)] == 5
     assert ("jobstream_provider_attempts_total",
@@ -69,10 +69,10 @@ def test_postgres_families_compute_rates_costs_and_cumulative_buckets() -> None:
 
     def bucket(le: str) -> float:
         return m[("jobstream_stage_duration_seconds_bucket",
-                  (("lane", "interactive"), ("le", le), ("stage", "llm_done")))]
+                  (("lane", "interactive"), ("le", le), ("stage", "llm")))]
     assert [bucket("0.05"), bucket("1.0"), bucket("2.5"), bucket("3600.0"), bucket("+Inf")] \
         == [2, 2, 3, 3, 4]
-    key = (("lane", "interactive"), ("stage", "llm_done"))
+    key = (("lane", "interactive"), ("stage", "llm"))
     assert m[("jobstream_stage_duration_seconds_gcount", key)] == 4
     assert math.isclose(m[("jobstream_stage_duration_seconds_gsum", key)], 7202.04)
 

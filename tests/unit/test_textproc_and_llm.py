@@ -15,8 +15,8 @@ from jobstream.errors import PermanentError
 from jobstream.llm.client import ProviderClient, backoff_s, parse_retry_after
 from jobstream.llm.local import analyse
 from jobstream.llm.profiles import get_profile
-from jobstream.stages import merge_analyses
 from jobstream.textproc import chunk_text, extract_text
+from streams.validate import merge_analyses
 
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
 

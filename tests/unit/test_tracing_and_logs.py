@@ -100,7 +100,7 @@ def test_json_formatter_writes_one_object_with_context_trace_and_extras() -> Non
 
     def emit() -> None:
         with tracing.use(span), logs.log_context(request_id="r1", tenant="acme",
-                                                 stage="llm_done", job_id=None):
+                                                 stage="llm", job_id=None):
             logs.bind(job_id="j-1")
             log.info("hello %s", "world", extra={"chunk": 3, "obj": object(),
                                                  "tags": ("a", 1)})
@@ -110,7 +110,7 @@ def test_json_formatter_writes_one_object_with_context_trace_and_extras() -> Non
     assert rec["logger"] == "test.json"
     assert re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}\+00:00$", rec["ts"])
     assert (rec["request_id"], rec["job_id"], rec["tenant"], rec["stage"]) == (
-        "r1", "j-1", "acme", "llm_done")
+        "r1", "j-1", "acme", "llm")
     assert (rec["trace_id"], rec["span_id"]) == (span.trace_id, span.span_id)
     assert rec["chunk"] == 3 and rec["tags"] == ["a", 1] and rec["obj"].startswith("<object")
     assert list(rec)[:4] == ["ts", "level", "logger", "message"]
@@ -133,12 +133,12 @@ def test_json_formatter_renders_exceptions_and_leaves_no_context_behind() -> Non
 
 def test_log_context_follows_to_thread_and_is_restored() -> None:
     async def main() -> tuple[dict, dict]:
-        with logs.log_context(job_id="j-9", stage="validated"):
+        with logs.log_context(job_id="j-9", stage="validate"):
             inner = await asyncio.to_thread(logs.current_context)
         return inner, logs.current_context()
 
     inner, after = asyncio.run(main())
-    assert inner == {"job_id": "j-9", "stage": "validated"} and after == {}
+    assert inner == {"job_id": "j-9", "stage": "validate"} and after == {}
 
 
 def test_message_scope_reads_kafka_headers() -> None:

@@ -349,7 +349,7 @@ def main() -> None:
                         "handler for each new event, pipelined)")
     p.add_argument("--no-decode-ahead", action="store_true",
                    help="decode each batch in the applying thread (decode_ahead=False)")
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("--rounds", type=int, default=3,
                    help="alternate the at-least-once and idempotent runs this many times; "
                         "the best of each is reported")
     args = p.parse_args()

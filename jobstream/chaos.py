@@ -204,11 +204,13 @@ def check_invariants(settings: Settings, *, tenant: str, keys: list[str],
       idempotent-consumer row of every stage recorded that event;
     - downstream applied every dedup_key exactly once (analysis and ledger rows counted);
     - per (job, chunk) exactly one ``succeeded`` provider attempt, the one whose output the
-      chunk holds; any other attempt failed, or is ``started`` by a run that never finished
-      (allowed only when ``worker_killed``); the fake provider's count for the Idempotency-Key
+      chunk holds; any other attempt failed, or is ``abandoned`` (a killed or fenced run's,
+      closed by the run that took its stage over, a re-drive or the sweeper); none is left
+      ``started``; the fake provider's count for the Idempotency-Key
       ``<job_id>:<chunk_idx>`` agrees with the attempt rows: at most one call per row (every
-      request is logged before it is sent) and at least one per finished row (a ``started``
-      row of a killed run may or may not have been sent: a kill can land between the two);
+      request is logged before it is sent) and at least one per finished row (an
+      ``abandoned`` row of a killed run may or may not have been sent: a kill can land
+      between the two);
     - a finished stage is never run again: no stage was claimed twice unless the worker was
       killed or paused (then at most twice; three times with ``redrives``), and no provider
       attempt started after ``llm`` finished;
@@ -372,11 +374,11 @@ def check_invariants(settings: Settings, *, tenant: str, keys: list[str],
             v.append(f"the provider saw {calls_by_key[key]} calls for {key}, not a chunk")
     effects["provider_calls"] = sum(calls_by_key.values())
 
-    # 5. the auditor of a running system (jobstream verify) finds nothing broken either.
-    # Attempts a killed run left 'started' are allowed above; closing them is not verified.
+    # 5. the auditor of a running system (jobstream verify) finds nothing broken either,
+    # orphan attempts included: a killed run's attempt is closed 'abandoned' by whoever takes
+    # its stage over.
     from jobstream import verify
-    report = verify.run(settings, tenant=tenant, grace_s=0, outbox_age_s=0, max_lag=0,
-                        skip=("orphan_attempts",) if worker_killed else ())
+    report = verify.run(settings, tenant=tenant, grace_s=0, outbox_age_s=0, max_lag=0)
     v += [f"verify: {f}" for f in report.broken]
     v += [f"verify: {name} could not run: {why}" for name, why in report.errors.items()]
     return v, dict(effects)

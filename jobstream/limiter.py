@@ -2,11 +2,23 @@
 
 State lives in Postgres (``provider_limit``, ``provider_slot``) so every process sees the same
 limit, not a per-process semaphore. A call holds a slot while in flight; a slot expires by
-itself if its holder dies. The window follows AIMD as TCP congestion avoidance does
-(RFC 5681 §3.1; Chiu & Jain 1989): halve on a 429 (at most once per ``decrease_window_s``, so a
-burst of 429s from one overload counts once), and add one slot per window's worth of successes
-(``+1/limit`` per success). Plain "+1 per success" would climb back over the provider's
-threshold within a few calls and keep provoking 429s.
+itself if its holder dies. The window follows TCP congestion control (RFC 5681; Chiu & Jain
+1989), with slots for segments and 429s for losses:
+
+- **slow start**: a new profile starts at :data:`INITIAL_WINDOW` slots (RFC 5681 §3.1 IW) and
+  each success adds one, doubling the window per round of calls, until the first 429 or the
+  ceiling. Starting at the ceiling instead sent a burst of ``provider_max_concurrency`` calls
+  at a provider that allowed fewer, and every call over its limit was one more 429;
+- **multiplicative decrease, once per window**: a 429 sets window and ``ssthresh`` to half the
+  calls in flight (RFC 5681 eq. 4, ``FlightSize/2``, floor 1) and remembers the last slot in
+  flight (``recover_slot_id``, NewReno's "recover", RFC 6582 §3.2). A 429 on a slot taken up to
+  then answers the same overload and changes nothing: TCP reduces at most once per window of
+  data (RFC 3168 §6.1.2, "once per RTT"). The old rule, at most once per second, let a window
+  of 0.2 s calls collect five rounds of 429s before the second halving;
+- **additive increase**: above ``ssthresh``, one slot per window's worth of successes
+  (``+1/window`` per success, congestion avoidance). Calls that were in flight at the latest
+  decrease do not grow the window (as in NewReno's fast recovery). Plain "+1 per success" would
+  climb back over the provider's threshold within a few calls and keep provoking 429s.
 
 Interactive work is reserved ``interactive_reserved`` slots: batch work may use at most
 ``floor(limit) - reserved`` of them, so a person's document always finds a slot soon.
@@ -24,6 +36,9 @@ from jobstream.db import QUERIES as Q
 from jobstream.errors import RetryableError
 from jobstream.store import Store
 
+#: Slots a new profile starts with (slow start; RFC 5681 §3.1 allows 2-4 segments).
+INITIAL_WINDOW = 2
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -40,20 +55,19 @@ class SharedLimiter:
     ``hold_s``: how long a slot lives if its holder never releases it (seconds).
     """
 
-    def __init__(self, store: Store, *, max_limit: int, reserved: int, hold_s: float,
-                 decrease_window_s: float = 1.0) -> None:
+    def __init__(self, store: Store, *, max_limit: int, reserved: int, hold_s: float) -> None:
         self.store = store
         self.max_limit = max_limit
         self.reserved = reserved
         self.hold_s = hold_s
-        self.decrease_window_s = decrease_window_s
         self._known: set[str] = set()
 
     def _ensure(self, profile: str) -> None:
         if profile not in self._known:
             with self.store.tx() as conn:
-                conn.execute(Q["limit_ensure"], (profile, float(self.max_limit), self.max_limit,
-                                                 self.reserved))
+                conn.execute(Q["limit_ensure"], {
+                    "profile": profile, "initial": float(min(INITIAL_WINDOW, self.max_limit)),
+                    "max_limit": self.max_limit, "reserved": self.reserved})
             self._known.add(profile)
 
     def try_acquire(self, profile: str, lane: str, job_id: uuid.UUID | None) -> Slot | None:
@@ -94,11 +108,16 @@ class SharedLimiter:
             delay = min(0.2, delay * 1.5)
 
     def release(self, slot: Slot, outcome: str) -> None:
-        """Free the slot and adapt the window: ``succeeded`` -> additive increase,
-        ``rate_limited`` -> multiplicative decrease, anything else -> unchanged."""
+        """Free the slot and adapt the window: ``succeeded`` -> slow start or additive
+        increase, ``rate_limited`` -> multiplicative decrease (once per window of calls in
+        flight), anything else -> unchanged."""
+        args = {"profile": slot.profile, "slot_id": slot.slot_id}
         with self.store.tx() as conn:
+            if outcome == "rate_limited":
+                # Under the profile's lock, before this slot goes: the flight size counts it
+                # and every slot taken so far.
+                conn.execute(Q["limit_lock"], (slot.profile,))
+                conn.execute(Q["limit_decrease"], args)
             conn.execute(Q["slot_release"], (slot.slot_id,))
             if outcome == "succeeded":
-                conn.execute(Q["limit_increase"], (slot.profile,))
-            elif outcome == "rate_limited":
-                conn.execute(Q["limit_decrease"], (slot.profile, self.decrease_window_s))
+                conn.execute(Q["limit_increase"], args)

@@ -679,8 +679,8 @@ offset.storage.replication.factor=1
 status.storage.replication.factor=1
 offset.storage.partitions=5
 status.storage.partitions=1
-# How often source offsets are committed; Debezium confirms the LSN to Postgres (so the
-# replication slot releases WAL) after that commit.
+# How often source offsets are committed (default 60 s); Debezium confirms the LSN to Postgres
+# (so the replication slot releases WAL) after that commit; a crash re-sends up to ~1 s.
 offset.flush.interval.ms=1000
 offset.flush.timeout.ms=10000
 key.converter=org.apache.kafka.connect.storage.StringConverter
@@ -691,7 +691,7 @@ rest.advertised.host.name=127.0.0.1
 rest.advertised.port=$CONNECT_PORT
 # The connector asks for an idempotent producer (acks=all), as the Python relay's.
 connector.client.config.override.policy=All
-# One worker: rebalance at once instead of waiting for a lost member (default 5 min).
+# A dead worker's tasks are reassigned after 5 s, not Connect's default 5 min (docs/relays.md).
 scheduled.rebalance.max.delay.ms=5000
 # Plugins are on the worker's classpath (scripts/connect-pom.xml); no plugin.path scan.
 plugin.discovery=only_scan

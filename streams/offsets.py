@@ -17,7 +17,28 @@ event's work is done. So we track completion ourselves and hand faust only the r
 - :class:`TrackedConsumerMixin` replaces faust's ``_new_offset`` with the tracker's answer, and
   resets a partition's state when it is revoked or assigned (a rebalance), so a late completion
   from a previous assignment cannot move the offset of the next one;
+- :func:`rewind_to_committed` makes faust's "seek back to the committed offsets" real for every
+  partition: aiokafka's ``seek_to_committed`` (what faust calls after a rebalance, and whenever
+  it drops records it fetched while its flow was stopped) seeks only where the committed offset
+  is above 0. A partition whose group committed nothing yet, or 0, kept the fetch position past
+  the records faust had dropped, so they were never delivered again. That is how a worker
+  resumed after SIGSTOP (test_pause ``sigstop``, intermittently under load) lost its
+  ``job.chunks_ready`` partition: offset 0 was in flight when it froze (so 0 or nothing was
+  committed), the sweeper's re-driven event landed at offset 1, both were fetched while the
+  rebalance after SIGCONT had the flow stopped, dropped, and never read again: the worker
+  logged nothing more for 3 minutes and the job stayed ``running``;
+- a commit that failed is not taken for done: faust records the offsets it tried as committed
+  whether or not the broker took them (``Consumer._commit_offsets``), and a commit sent just
+  before a rebalance fails ("already rebalanced") and may return after the new assignment's
+  seek. Then faust believes an offset committed that the broker never got and never sends it
+  again (it only commits offsets above what it believes): the partition's lag stays for good.
+  The likely cause of the one ``sigstop`` failure seen with the rewind above in place (1 run
+  in 22: the job succeeded and was applied once, the run never settled);
 - :func:`install` wires both into a faust app before its consumer is created.
+
+Only messages an agent actually took count (:meth:`CompletionTracker.received`): an event
+dropped at a rebalance (faust's generation check, or ours in ``streams/base.py``) is never
+registered, so the commit cannot pass it, and the rewind above re-reads it for the next owner.
 """
 
 from __future__ import annotations
@@ -28,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import faust
+from aiokafka import AIOKafkaConsumer, TopicPartition
 
 
 @dataclass
@@ -91,6 +113,29 @@ class CompletionTracker:
                 self._parts[tp] = _Partition(epoch=(old.epoch + 1) if old else 1)
 
 
+async def rewind_to_committed(consumer: AIOKafkaConsumer) -> dict[TopicPartition, int | None]:
+    """Seek every partition assigned to ``consumer`` to its group's committed offset, or to
+    the beginning (``auto_offset_reset=earliest``) where the group committed nothing or 0.
+
+    Returns ``{partition: committed offset or None}`` (what faust's ``perform_seek`` expects
+    from ``seek_to_committed``). aiokafka's own ``seek_to_committed`` skips the seek when the
+    committed offset is 0 or absent, leaving the position after records that were fetched and
+    then dropped. Raises what ``AIOKafkaConsumer.committed`` raises (broker errors).
+    """
+    committed: dict[TopicPartition, int | None] = {}
+    from_start = []
+    for tp in consumer.assignment():
+        offset = await consumer.committed(tp)
+        committed[tp] = offset
+        if offset is None or offset <= 0:
+            from_start.append(tp)
+        else:
+            consumer.seek(tp, offset)
+    if from_start:
+        await consumer.seek_to_beginning(*from_start)
+    return committed
+
+
 class TrackedConsumerMixin:
     """Mixed into faust's transport consumer: commits what :class:`CompletionTracker` says,
     never what faust's acks say."""
@@ -103,6 +148,25 @@ class TrackedConsumerMixin:
             acked.clear()
             self._acked_index[tp].clear()  # type: ignore[attr-defined]
         return self.tracker.committable(tp)
+
+    async def seek_to_committed(self) -> dict[TopicPartition, int | None]:
+        """faust's "seek back to the committed offsets", for every partition
+        (:func:`rewind_to_committed`), run in the consumer's thread."""
+        thread = self._thread  # type: ignore[attr-defined]
+        return await thread.call_thread(rewind_to_committed, thread._ensure_consumer())
+
+    async def _commit_offsets(self, offsets: Any, start_new_transaction: bool = True) -> bool:
+        """faust's commit, except that offsets the broker did not take are not remembered as
+        committed (faust would never send them again)."""
+        known = self._committed_offset  # type: ignore[attr-defined]
+        before = {tp: known.get(tp) for tp in offsets}
+        did_commit: bool = await super()._commit_offsets(  # type: ignore[misc]
+            offsets, start_new_transaction=start_new_transaction)
+        if not did_commit:
+            for tp, offset in offsets.items():
+                if known.get(tp) == offset:  # still our failed attempt: forget it
+                    known[tp] = before[tp]
+        return did_commit
 
     async def on_partitions_revoked(self, revoked: set[Any]) -> None:
         await super().on_partitions_revoked(revoked)  # type: ignore[misc]

@@ -590,11 +590,13 @@ SELECT b.batch_id, b.lane, b.cancel_requested, b.created_at, count(*) AS jobs,
 -- ---------------------------------------------------------------- shared provider limit (AIMD)
 
 -- name: limit_ensure
-INSERT INTO provider_limit (profile, limit_now, max_limit, interactive_reserved)
-VALUES (%s, %s, %s, %s)
+-- A new profile starts in slow start: the initial window, ssthresh at the ceiling.
+INSERT INTO provider_limit (profile, limit_now, max_limit, interactive_reserved, ssthresh)
+VALUES (%(profile)s, %(initial)s, %(max_limit)s, %(reserved)s, %(max_limit)s)
 ON CONFLICT (profile) DO UPDATE SET max_limit = EXCLUDED.max_limit,
        interactive_reserved = EXCLUDED.interactive_reserved,
-       limit_now = least(provider_limit.limit_now, EXCLUDED.max_limit);
+       limit_now = least(provider_limit.limit_now, EXCLUDED.max_limit),
+       ssthresh = least(provider_limit.ssthresh, EXCLUDED.max_limit);
 
 -- name: limit_lock
 SELECT limit_now, max_limit, interactive_reserved FROM provider_limit WHERE profile = %s
@@ -616,17 +618,31 @@ RETURNING slot_id;
 DELETE FROM provider_slot WHERE slot_id = %s;
 
 -- name: limit_increase
--- Additive increase: one more slot per window's worth of successes (RFC 5681 §3.1).
-UPDATE provider_limit SET limit_now = least(max_limit, limit_now + 1.0 / greatest(limit_now, 1)),
-                          updated_at = now()
- WHERE profile = %s;
+-- A success (RFC 5681 §3.1): below ssthresh slow start, +1 (up to ssthresh); above it
+-- congestion avoidance, +1/window (one slot per window's worth of successes). A call that was
+-- in flight when the window last halved (slot_id <= recover_slot_id) does not grow it.
+UPDATE provider_limit
+   SET limit_now = least(max_limit, CASE WHEN limit_now < ssthresh
+                                         THEN least(ssthresh, limit_now + 1)
+                                         ELSE limit_now + 1.0 / greatest(limit_now, 1) END),
+       updated_at = now()
+ WHERE profile = %(profile)s AND %(slot_id)s > recover_slot_id;
 
 -- name: limit_decrease
--- Multiplicative decrease on 429, at most once per window (a burst of 429s is one signal).
-UPDATE provider_limit SET limit_now = greatest(1, limit_now / 2), decreases = decreases + 1,
-                          last_decrease_at = now(), updated_at = now()
- WHERE profile = %s AND last_decrease_at < now() - make_interval(secs => %s)
-RETURNING limit_now;
+-- A 429 on a slot taken after the latest decrease (RFC 6582 §3.2 "recover"; once per window,
+-- RFC 3168 §6.1.2): window and ssthresh become half the calls in flight (RFC 5681 eq. 4,
+-- FlightSize/2, floor 1), and every call in flight now belongs to the answered overload. Run
+-- with the profile's row locked (limit_lock) and before the slot is released, so the count
+-- sees every slot taken so far, this one included.
+UPDATE provider_limit l
+   SET limit_now = greatest(1, least(l.limit_now, f.n) / 2.0),
+       ssthresh = greatest(1, least(l.limit_now, f.n) / 2.0),
+       recover_slot_id = f.last_slot_id, decreases = l.decreases + 1,
+       last_decrease_at = now(), updated_at = now()
+  FROM (SELECT count(*) AS n, coalesce(max(slot_id), 0) AS last_slot_id
+          FROM provider_slot WHERE profile = %(profile)s) f
+ WHERE l.profile = %(profile)s AND %(slot_id)s > l.recover_slot_id
+RETURNING l.limit_now;
 
 -- name: limit_state
 SELECT profile, limit_now, max_limit, interactive_reserved, decreases,

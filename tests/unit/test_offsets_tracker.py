@@ -40,3 +40,14 @@ def test_duplicate_copies_of_one_offset_are_counted() -> None:
     assert t.committable(TP) == 5
     t.done(TP, 5, b)
     assert t.committable(TP) == 6
+
+
+def test_an_event_dropped_before_it_was_taken_never_counts() -> None:
+    # Offset 1 was fetched and dropped at a rebalance (never received): the commit stays
+    # below it, whatever finished before, so the next owner reads it again.
+    t = CompletionTracker()
+    epoch = t.received(TP, 0)
+    t.done(TP, 1, epoch)  # a completion of an offset never received: ignored
+    assert t.committable(TP) == 0
+    t.done(TP, 0, epoch)
+    assert t.committable(TP) == 1

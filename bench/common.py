@@ -28,6 +28,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from psycopg import sql
 
 from jobstream.db import migrate
+from jobstream.drills import procs
 from jobstream.kafka import all_topics, base_config, delete_topics
 from jobstream.settings import Settings
 
@@ -153,39 +154,23 @@ def ensure_all_topics(settings: Settings) -> None:
 
 
 def subprocess_env(settings: Settings, **extra: str) -> dict[str, str]:
-    """Environment that carries ``settings`` to a ``python -m jobstream.cli`` child."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("JOBSTREAM_") and k not in ("DATABASE_URL",
-                                                           "KAFKA_BOOTSTRAP_SERVERS")}
-    env.update(settings.to_env())  # secrets (the database URL) revealed, for the child only
-    env.update(extra)
-    return env
+    """Environment that carries ``settings`` to a ``python -m jobstream.cli`` child
+    (:func:`jobstream.drills.procs.child_env`: secrets revealed, for the child only)."""
+    return procs.child_env(settings, **extra)
 
 
 def start_cli(settings: Settings, logdir: Path, name: str, *args: str, log_level: str = "warning",
               **extra_env: str) -> subprocess.Popen[bytes]:
     """Start ``python -m jobstream.cli <args>`` from the repository root (this checkout's
-    code), logging to ``logdir/<name>.log``."""
-    logdir.mkdir(parents=True, exist_ok=True)
-    with (logdir / f"{name}.log").open("wb") as fh:
-        return subprocess.Popen([sys.executable, "-m", "jobstream.cli", "--log-level",
-                                 log_level, *args], cwd=ROOT,
-                                env=subprocess_env(settings, **extra_env), stdout=fh,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+    code), logging to ``logdir/<name>.log`` (:func:`jobstream.drills.procs.spawn`)."""
+    return procs.spawn(["--log-level", log_level, *args], subprocess_env(settings, **extra_env),
+                       logdir / f"{name}.log", cwd=ROOT)
 
 
-def stop(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 20.0) -> None:
-    """SIGTERM the given processes, SIGKILL what is left after ``timeout_s``."""
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(5)
+def stop(popens: Sequence[subprocess.Popen[bytes]], timeout_s: float = 20.0) -> None:
+    """SIGTERM the given processes, SIGKILL what is left after ``timeout_s``
+    (:func:`jobstream.drills.procs.stop`)."""
+    procs.stop(popens, timeout_s)
 
 
 def emit(result: dict[str, Any]) -> None:

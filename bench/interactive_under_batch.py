@@ -34,7 +34,7 @@ from bench.common import (
     start_cli,
     stop,
 )
-from jobstream.llm.fake_provider import FakeProvider
+from jobstream.drills.fake_provider import FakeProvider
 from jobstream.producer import submit, uploaded_event
 from jobstream.settings import Settings
 

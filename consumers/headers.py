@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from typing import cast
 
 from confluent_kafka import Message
 
@@ -20,7 +21,8 @@ def read_headers(msg: Message) -> list[tuple[str, bytes | None]]:
     :data:`HEADERS_UNREADABLE` (with the error); key and value are unaffected.
     """
     try:
-        raw = msg.headers() or []
+        # A consumed message's headers are a list of pairs (a dict only goes to produce()).
+        raw = cast("list[tuple[str, bytes | None]]", msg.headers() or [])
         # Sometimes the call returns normally: the list then holds a (NULL, value) tuple that
         # crashes whoever reads it, and a UnicodeDecodeError is left pending. A NULL slot is
         # invisible to gc.get_referents (tuples skip it), so it is found without touching it;

@@ -61,7 +61,7 @@ from typing import Any, TypeVar
 import psycopg
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message
 from psycopg import sql
-from psycopg.rows import dict_row, tuple_row
+from psycopg.rows import DictRow, dict_row, tuple_row
 
 from consumers.ddl import create_tables
 from consumers.headers import HEADERS_UNREADABLE, read_headers
@@ -73,8 +73,8 @@ from schemas.events import decode_event
 log = logging.getLogger("consumers.idempotent")
 
 E = TypeVar("E")
-Handler = Callable[[psycopg.Connection, Any], None]
-BatchHandler = Callable[[psycopg.Connection, list[Any]], None]
+Handler = Callable[[psycopg.Connection[Any], Any], None]
+BatchHandler = Callable[[psycopg.Connection[Any], list[Any]], None]
 
 
 @dataclass
@@ -205,7 +205,7 @@ class IdempotentConsumer:
                                   dlq_headroom_bytes=settings.dlq_headroom_bytes, table=dl)
         self._sink = sink
         self._failures = FailureCounter()
-        self._conn: psycopg.Connection | None = None
+        self._conn: psycopg.Connection[DictRow] | None = None
         self._headers: dict[tuple[Any, Any, Any], list[tuple[str, bytes | None]]] = {}
         # (topic, partition, offset) -> the event or the PoisonMessage its decoding raised,
         # for the batch being applied (filled by the decode-ahead thread).
@@ -214,9 +214,9 @@ class IdempotentConsumer:
     # -- registration -------------------------------------------------------------------
 
     def on(self, event_class: type[E], *, topic: str | None = None,
-           batch: Callable[[psycopg.Connection, list[E]], None] | None = None
-           ) -> Callable[[Callable[[psycopg.Connection, E], None]],
-                         Callable[[psycopg.Connection, E], None]]:
+           batch: Callable[[psycopg.Connection[Any], list[E]], None] | None = None
+           ) -> Callable[[Callable[[psycopg.Connection[Any], E], None]],
+                         Callable[[psycopg.Connection[Any], E], None]]:
         """Register the handler of ``event_class`` (a decorator).
 
         The class chooses the route: its ``event_type`` is what is accepted and, with
@@ -253,11 +253,11 @@ class IdempotentConsumer:
         if event_type in self._handlers:
             raise ValueError(f"{event_type} already has a handler: one handler per event class")
 
-        def register(fn: Callable[[psycopg.Connection, E], None]
-                     ) -> Callable[[psycopg.Connection, E], None]:
+        def register(fn: Callable[[psycopg.Connection[Any], E], None]
+                     ) -> Callable[[psycopg.Connection[Any], E], None]:
             self._handlers[event_type] = fn
             if batch is not None:
-                self._batch_handlers[event_type] = batch  # type: ignore[assignment]  # E erased
+                self._batch_handlers[event_type] = batch
             name = topic or self.settings.topic(event_type)
             if name not in self._topics:
                 self._topics.append(name)
@@ -266,8 +266,8 @@ class IdempotentConsumer:
         return register
 
     def on_batch(self, event_class: type[E]
-                 ) -> Callable[[Callable[[psycopg.Connection, list[E]], None]],
-                               Callable[[psycopg.Connection, list[E]], None]]:
+                 ) -> Callable[[Callable[[psycopg.Connection[Any], list[E]], None]],
+                               Callable[[psycopg.Connection[Any], list[E]], None]]:
         """Register the batch handler of ``event_class`` (a decorator), next to its per-event
         handler (:meth:`on`, registered first: the per-event handler still applies a batch
         that had to be split down to single messages).
@@ -298,9 +298,9 @@ class IdempotentConsumer:
         if event_type in self._batch_handlers:
             raise ValueError(f"{event_type} already has a batch handler")
 
-        def register(fn: Callable[[psycopg.Connection, list[E]], None]
-                     ) -> Callable[[psycopg.Connection, list[E]], None]:
-            self._batch_handlers[event_type] = fn  # type: ignore[assignment]  # E erased
+        def register(fn: Callable[[psycopg.Connection[Any], list[E]], None]
+                     ) -> Callable[[psycopg.Connection[Any], list[E]], None]:
+            self._batch_handlers[event_type] = fn
             return fn
 
         return register
@@ -370,7 +370,7 @@ class IdempotentConsumer:
         """Ask the loop to return after the current message (also a signal handler)."""
         self._stop.set()
 
-    def _db(self) -> psycopg.Connection:
+    def _db(self) -> psycopg.Connection[DictRow]:
         if self._conn is None or self._conn.closed:
             try:
                 self._conn = psycopg.connect(self.settings.dsn, row_factory=dict_row,
@@ -493,8 +493,8 @@ class IdempotentConsumer:
                 for i, ev in todo:
                     outcomes[i] = "applied"
                     applied.append(ev)
-        for i, exc in poison:
-            self._dead_letter(msgs[i], exc.code, str(exc))
+        for i, bad in poison:
+            self._dead_letter(msgs[i], bad.code, str(bad))
             outcomes[i] = "dead_lettered"
         self.stats.applied += outcomes.count("applied")
         self.stats.duplicates += outcomes.count("duplicate")
@@ -510,7 +510,7 @@ class IdempotentConsumer:
                               msg.offset())
         return outcomes
 
-    def _new_events(self, conn: psycopg.Connection, seen: list[tuple[int, Any]],
+    def _new_events(self, conn: psycopg.Connection[Any], seen: list[tuple[int, Any]],
                     first: dict[tuple[str, str], tuple[int, Any]]) -> list[tuple[int, Any]]:
         """Record the batch's keys in ``processed_event`` (one statement, in ``conn``'s
         transaction) and return ``(index, event)`` of the events to apply: the first copy of
@@ -651,9 +651,10 @@ class IdempotentConsumer:
             got += self._consumer.consume(self.max_batch - 1, 0)
         msgs = []
         for m in got:
-            if m.error():
-                if m.error().code() != KafkaError._PARTITION_EOF:
-                    log.warning("consumer error: %s", m.error())
+            err = m.error()
+            if err is not None:
+                if err.code() != KafkaError._PARTITION_EOF:
+                    log.warning("consumer error: %s", err)
                 continue
             msgs.append(m)
         return msgs
@@ -745,7 +746,7 @@ class IdempotentConsumer:
         log.info("consumer stopped: %s", stats)
         return stats
 
-    def _record(self, conn: psycopg.Connection, event: Any) -> Any:
+    def _record(self, conn: psycopg.Connection[DictRow], event: Any) -> Any:
         """Insert the idempotent-consumer row; ``None`` for a duplicate. Raises
         :class:`PoisonMessage` ``event_id_conflict`` when the event id was already recorded
         with other content (another dedup key or event type)."""

@@ -31,7 +31,7 @@ from typing import Any
 import psycopg
 from confluent_kafka import KafkaError, KafkaException, Producer
 from psycopg import sql
-from psycopg.rows import dict_row
+from psycopg.rows import DictRow, dict_row
 
 from consumers.headers import dlq_headers
 from schemas.errors import OutcomeUnknown, PoisonMessage, RetryableError
@@ -179,7 +179,7 @@ class DeadLetterSink:
         self._producer.flush(timeout_s)
 
     def _produce(self, topic: str, key: bytes | None, value: bytes | None,
-                 headers: list[tuple[str, bytes | None]]) -> str | None:
+                 headers: list[tuple[str, bytes | str | None]]) -> str | None:
         """Produce one message and wait for its delivery report; ``None`` when acknowledged,
         else why not (text)."""
         result: list[KafkaError | None] = []
@@ -264,7 +264,7 @@ class DeadLetterSink:
             raise RetryableError(f"database unavailable: {exc}", code="db_unavailable") from None
 
 
-def store_dead_letter(conn: psycopg.Connection, *, source: str,
+def store_dead_letter(conn: psycopg.Connection[DictRow], *, source: str,
                       table: sql.Composable = DEAD_LETTER, topic: str, code: str,
                       reason: str, key: bytes | None, value: bytes | None, headers: Headers,
                       consumer_group: str = "", consumed_topic: str | None = None,
@@ -299,7 +299,8 @@ def _uuid_or_none(value: uuid.UUID | str | None) -> uuid.UUID | None:
         return None
 
 
-def _insert(conn: psycopg.Connection, table: sql.Composable, params: dict[str, Any]) -> int:
+def _insert(conn: psycopg.Connection[DictRow], table: sql.Composable,
+            params: dict[str, Any]) -> int:
     row = conn.execute(sql.SQL(DEAD_LETTER_INSERT).format(table=table), params).fetchone()
     if row is None:  # stored before (a redelivery): the first row stands
         if params["outbox_id"] is not None:

@@ -31,6 +31,7 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import (
+    APIRouter,
     Depends,
     FastAPI,
     File,
@@ -49,10 +50,9 @@ from psycopg import DataError, IntegrityError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jobstream import logs, metrics, tracing
+from jobstream import idempotency, logs, metrics, tracing
 from jobstream.db import QUERIES as Q
 from jobstream.errors import IdempotencyConflict, PoisonMessage, RetryableError
-from jobstream.keys import canonical_json, sha256_hex
 from jobstream.settings import Settings
 from jobstream.store import STAGES, TERMINAL, IntakeResult, Store
 from schemas.events import (
@@ -217,7 +217,7 @@ def _tenant(request: Request,
     unknown token."""
     if creds is not None:
         given = creds.credentials.encode()
-        for token, tenant in request.app.state.ctx.settings.api_tokens.items():
+        for token, tenant in app_settings(request).api_tokens.items():
             if hmac.compare_digest(token.get_secret_value().encode(), given):
                 return tenant
     raise HTTPException(401, detail={"code": "unauthorized",
@@ -322,15 +322,45 @@ class TraceMiddleware:
             await self.app(scope, receive, send_with_id)
 
 
-def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
-    """Build the API app. ``store`` defaults to a pool on ``settings.database_url``."""
-    app = FastAPI(title="jobstream", version="1", description=__doc__,
-                  responses={401: {"model": Problem}, 404: {"model": Problem}})
-    ctx = StageContext(settings, store or Store.for_process(settings, "api",
-                                                            settings.db_pool_api_max))
+# ------------------------------------------------------------------------------ dependencies
+# Routes live on APIRouters (``jobs``, ``batches``, ``ops``) and get what they need through
+# FastAPI dependencies that read the app's state (:func:`bind_state`): a test mounts one router
+# on a bare app with its own state and calls it alone.
+
+
+def app_settings(request: Request) -> Settings:
+    """The app's :class:`~jobstream.settings.Settings` (``app.state.settings``)."""
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def stage_context(request: Request) -> StageContext:
+    """The app's :class:`~streams.context.StageContext`: settings and the store (its pool of
+    Postgres connections), ``app.state.ctx``."""
+    ctx: StageContext = request.app.state.ctx
+    return ctx
+
+
+AppSettings = Annotated[Settings, Depends(app_settings)]
+Ctx = Annotated[StageContext, Depends(stage_context)]
+
+
+def bind_state(app: FastAPI, settings: Settings, store: Store) -> StageContext:
+    """Give ``app`` what the routers' dependencies read: ``state.settings``, ``state.ctx``
+    (settings + ``store``) and ``state.metrics_registry``. Returns the context."""
+    ctx = StageContext(settings, store)
+    app.state.settings = settings
     app.state.ctx = ctx
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.api_max_body_bytes)
-    app.add_middleware(TraceMiddleware)
+    app.state.metrics_registry = metrics.registry(settings, store)
+    return ctx
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map every error a route can raise to a ``{"code", "message"}`` answer (never a 500 for
+    the client's fault): HTTP errors, validation (400 ``malformed_json``,
+    ``missing_idempotency_key``, ``idempotency_key_too_long``; 422 ``invalid_request``),
+    idempotency-key conflicts (409), data Postgres refuses (422 ``invalid_data``), integrity
+    conflicts (409) and outages (503 with ``Retry-After``)."""
 
     @app.exception_handler(StarletteHTTPException)  # also FastAPI's, and the router's 404/405
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -340,6 +370,10 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
             "code": codes.get(exc.status_code, f"http_{exc.status_code}"),
             "message": str(exc.detail)}
         return JSONResponse(detail, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(IdempotencyConflict)
+    async def _conflict(_: Request, exc: IdempotencyConflict) -> JSONResponse:
+        return JSONResponse({"code": exc.code, "message": str(exc)}, status_code=409)
 
     @app.exception_handler(DataError)
     async def _data_error(_: Request, exc: DataError) -> JSONResponse:
@@ -386,281 +420,348 @@ def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
         return JSONResponse({"code": exc.code, "message": str(exc)}, status_code=503,
                             headers={"Retry-After": "1"})
 
-    def event_for(t: str, key: str, req: JobRequest, lane: str | None = None
-                  ) -> DocumentUploaded:
-        try:
-            data = req.content()
-        except ValueError as exc:
-            raise _problem(422, "invalid_content", f"content_b64 is not base64: {exc}") from None
-        if not data.strip():
-            raise _problem(422, "empty_document", "the document is empty")
-        if len(data) > settings.max_inline_document_bytes:
-            raise _problem(413, "document_too_large", f"{len(data)} bytes; the limit is "
-                                                      f"{settings.max_inline_document_bytes}")
-        rid = logs.current_context().get("request_id")
-        try:
-            doc = DocumentRef(filename=req.filename, content_type=req.content_type,
-                              sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data),
-                              content_b64=base64.b64encode(data).decode())
-            return DocumentUploaded(
-                tenant_id=t, idempotency_key=key, **({"request_id": rid} if rid else {}),
-                payload=DocumentUploadedPayload(
-                    document=doc, pipeline=req.pipeline or settings.pipeline,
-                    prompt_version=req.prompt_version or settings.prompt_version,
-                    model_profile=req.model_profile or settings.model_profile,
-                    lane=req.lane or lane or "interactive"))
-        except ValidationError as exc:  # e.g. a control character in the Idempotency-Key
-            raise _problem(422, "invalid_request", "; ".join(
-                f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5])) \
-                from None
 
-    def intake(ev: DocumentUploaded, conn: Any = None) -> tuple[uuid.UUID, bool]:
-        r = intake_result(ev, conn)
-        return r.job_id, r.created
+def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
+    """Build the API app: the ``jobs``, ``batches`` and ``ops`` routers, the error handlers and
+    the middlewares. ``store`` defaults to a pool on ``settings.database_url``."""
+    app = FastAPI(title="jobstream", version="1", description=__doc__,
+                  responses={401: {"model": Problem}, 404: {"model": Problem}})
+    bind_state(app, settings, store or Store.for_process(settings, "api",
+                                                         settings.db_pool_api_max))
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.api_max_body_bytes)
+    app.add_middleware(TraceMiddleware)
+    install_error_handlers(app)
+    app.include_router(jobs)
+    app.include_router(batches)
+    app.include_router(ops)
+    return app
 
-    def intake_result(ev: DocumentUploaded, conn: Any = None) -> IntakeResult:
-        try:
-            return handle_intake(ctx, ev, conn=conn, emit_uploaded=settings.api_emit_uploaded)
-        except IdempotencyConflict as exc:
-            raise _problem(409, exc.code, str(exc)) from None
-        except PoisonMessage as exc:
-            raise _problem(422, exc.code, str(exc)) from None
 
-    def created_answer(r: IntakeResult, response: Response) -> JobCreated:
-        """202 for new work (a new job, or a new run of a failed/cancelled one), else 200."""
-        if r.dedup not in ("new", "restarted"):
-            response.status_code = 200
-        if r.dedup == "replayed":
-            response.headers["Idempotent-Replayed"] = "true"
-        return JobCreated(job_id=r.job_id, status=job_status(r.job_id), dedup=r.dedup,
-                          message=_DEDUP_MESSAGES[r.dedup])
+# ------------------------------------------------------------------------------ shared steps
 
-    def job_status(job_id: uuid.UUID) -> str:
-        job = ctx.store.job(job_id)
-        return job["status"] if job else "unknown"
+def _invalid_request(exc: ValidationError) -> HTTPException:
+    return _problem(422, "invalid_request", "; ".join(
+        f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5]))
 
-    @app.post("/v1/jobs", status_code=202, response_model=JobCreated,
-              responses={200: {"model": JobCreated, "description": "replayed intent"},
-                         409: {"model": Problem}, 422: {"model": Problem}})
-    def create_job(req: JobRequest, t: Tenant, idempotency_key: IdemKey,
-                   response: Response) -> JobCreated:
-        """Create a job (202), or return the job of a replayed Idempotency-Key (200). Another
-        key for a computation that already succeeded or is running returns its job (200,
-        ``dedup: reused``); for one that failed or was cancelled it starts a new run of that
-        job (202, ``dedup: restarted``)."""
-        return created_answer(intake_result(event_for(t, idempotency_key, req)), response)
 
-    @app.post("/v1/jobs/upload", status_code=202, response_model=JobCreated,
-              responses={200: {"model": JobCreated, "description": "replayed intent"},
-                         409: {"model": Problem}, 422: {"model": Problem}})
-    async def upload_job(t: Tenant, idempotency_key: IdemKey, response: Response,
-                         file: Annotated[UploadFile, File(description="The document.")],
-                         lane: Annotated[Literal["interactive", "batch"] | None,
-                                         Form()] = None,
-                         prompt_version: Annotated[str | None, Form()] = None,
-                         model_profile: Annotated[str | None, Form()] = None) -> JobCreated:
-        """Create a job from a multipart/form-data upload (``file`` plus optional fields);
-        the same rules as ``POST /v1/jobs``. PDFs are recognised by type or ``%PDF-``."""
-        data = await file.read()
-        if len(data) > settings.max_inline_document_bytes:
-            raise _problem(413, "document_too_large",
-                           f"{len(data)} bytes; the limit is {settings.max_inline_document_bytes}")
-        is_pdf = file.content_type == "application/pdf" or data[:5] == b"%PDF-"
-        try:
-            req = JobRequest(filename=(file.filename or "document")[:512] or "document",
-                             content_b64=base64.b64encode(data).decode(),
-                             content_type="application/pdf" if is_pdf else "text/plain",
-                             lane=lane, prompt_version=prompt_version,
-                             model_profile=model_profile)
-        except ValidationError as exc:  # e.g. a control character in the file's name
-            raise _problem(422, "invalid_request", "; ".join(
-                f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5])) \
-                from None
-        return await asyncio.to_thread(
-            lambda: created_answer(intake_result(event_for(t, idempotency_key, req)), response))
+def event_for(settings: Settings, tenant: str, key: str, req: JobRequest,
+              lane: str | None = None) -> DocumentUploaded:
+    """The ``document.uploaded`` event of one requested document (options defaulted from
+    ``settings``; ``lane`` is the batch's, used when the document names none). Raises
+    ``HTTPException`` 422 ``invalid_content`` / ``empty_document`` / ``invalid_request``, 413
+    ``document_too_large``."""
+    try:
+        data = req.content()
+    except ValueError as exc:
+        raise _problem(422, "invalid_content", f"content_b64 is not base64: {exc}") from None
+    if not data.strip():
+        raise _problem(422, "empty_document", "the document is empty")
+    if len(data) > settings.max_inline_document_bytes:
+        raise _problem(413, "document_too_large", f"{len(data)} bytes; the limit is "
+                                                  f"{settings.max_inline_document_bytes}")
+    rid = logs.current_context().get("request_id")
+    try:
+        doc = DocumentRef(filename=req.filename, content_type=req.content_type,
+                          sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data),
+                          content_b64=base64.b64encode(data).decode())
+        return DocumentUploaded(
+            tenant_id=tenant, idempotency_key=key, **({"request_id": rid} if rid else {}),
+            payload=DocumentUploadedPayload(
+                document=doc, pipeline=req.pipeline or settings.pipeline,
+                prompt_version=req.prompt_version or settings.prompt_version,
+                model_profile=req.model_profile or settings.model_profile,
+                lane=req.lane or lane or "interactive"))
+    except ValidationError as exc:  # e.g. a control character in the Idempotency-Key
+        raise _invalid_request(exc) from None
 
-    def view(t: str, job_id: uuid.UUID) -> JobView:
-        with ctx.store.tx() as conn:
-            job = conn.execute(Q["api_job"], (job_id, t)).fetchone()
-            if job is None:
+
+def intake_result(ctx: StageContext, ev: DocumentUploaded, conn: Any = None) -> IntakeResult:
+    """Transactional intake of one event (:func:`streams.intake.handle_intake`); ``conn``
+    joins the caller's transaction. Raises :class:`IdempotencyConflict` (409 by the app's
+    handler) and ``HTTPException`` 422 with the poison message's code."""
+    try:
+        return handle_intake(ctx, ev, conn=conn, emit_uploaded=ctx.settings.api_emit_uploaded)
+    except IdempotencyConflict:
+        raise
+    except PoisonMessage as exc:
+        raise _problem(422, exc.code, str(exc)) from None
+
+
+def _replayed(response: Response) -> None:
+    """Answer a replayed Idempotency-Key: 200 with ``Idempotent-Replayed: true`` (jobs and
+    batches alike)."""
+    response.status_code = 200
+    response.headers["Idempotent-Replayed"] = "true"
+
+
+def _job_status(ctx: StageContext, job_id: uuid.UUID) -> str:
+    job = ctx.store.job(job_id)
+    return job["status"] if job else "unknown"
+
+
+def created_answer(ctx: StageContext, r: IntakeResult, response: Response) -> JobCreated:
+    """202 for new work (a new job, or a new run of a failed/cancelled one), else 200."""
+    if r.dedup == "replayed":
+        _replayed(response)
+    elif r.dedup not in ("new", "restarted"):
+        response.status_code = 200
+    return JobCreated(job_id=r.job_id, status=_job_status(ctx, r.job_id), dedup=r.dedup,
+                      message=_DEDUP_MESSAGES[r.dedup])
+
+
+def job_view(ctx: StageContext, tenant: str, job_id: uuid.UUID) -> JobView:
+    """The tenant's job as a :class:`JobView`. Raises ``HTTPException`` 404 for another
+    tenant's or an unknown job."""
+    with ctx.store.tx() as conn:
+        job = conn.execute(Q["api_job"], (job_id, tenant)).fetchone()
+        if job is None:
+            raise _problem(404, "not_found", f"no job {job_id}")
+        stages = list(conn.execute(Q["api_job_stages"], (job_id,)))
+        attempts = list(conn.execute(Q["api_job_attempts"], (job_id,)))
+        result = None
+        if job["status"] == "succeeded":
+            row = conn.execute(Q["get_stage"], (job_id, "validate")).fetchone()
+            result = row["output"] if row else None
+    started, finished = job["first_started_at"], job["finished_at"]
+    return JobView(
+        job_id=job_id, status=job["status"], current_stage=job["current_stage"],
+        stages_done=sum(s["status"] == "succeeded" for s in stages),
+        stages_total=len(STAGES), lane=job["lane"], filename=job["filename"],
+        pipeline=job["pipeline"], prompt_version=job["prompt_version"],
+        model_profile=job["model_profile"],
+        stage_runs=sum(s["attempt"] for s in stages if s["stage"] != STAGES[0]),
+        provider_attempts=[AttemptView(**a) for a in attempts],
+        cost_so_far_usd=job["cost_so_far_usd"], charge_usd=float(job["charge_usd"]),
+        cancel_requested=job["cancel_requested"], error_code=job["error_code"],
+        error=job["error"], created_at=job["created_at"], finished_at=finished,
+        queue_wait_s=(started - job["created_at"]).total_seconds() if started else None,
+        run_s=(finished - started).total_seconds() if started and finished else None,
+        stages=[StageView(**s) for s in sorted(stages, key=lambda s: STAGES.index(s["stage"]))],
+        result=result)
+
+
+def batch_view(ctx: StageContext, tenant: str, batch_id: uuid.UUID) -> BatchView:
+    """The tenant's batch as a :class:`BatchView` (one query for the counts). Raises
+    ``HTTPException`` 404 for another tenant's or an unknown batch."""
+    with ctx.store.tx() as conn:
+        row = conn.execute(Q["api_batch"], (batch_id, tenant)).fetchone()
+        if row is None:
+            raise _problem(404, "not_found", f"no batch {batch_id}")
+        ids = [r["job_id"] for r in conn.execute(Q["batch_job_ids"], (batch_id, tenant))]
+    return BatchView(**{k: row[k] for k in BatchView.model_fields if k != "job_ids"},
+                     job_ids=ids)
+
+
+# ------------------------------------------------------------------------------ jobs router
+
+#: ``/v1/jobs``: create (JSON or upload), read, follow (SSE) and cancel one job.
+jobs = APIRouter(tags=["jobs"])
+
+
+@jobs.post("/v1/jobs", status_code=202, response_model=JobCreated,
+           responses={200: {"model": JobCreated, "description": "replayed intent"},
+                      409: {"model": Problem}, 422: {"model": Problem}})
+def create_job(req: JobRequest, t: Tenant, idempotency_key: IdemKey, response: Response,
+               ctx: Ctx) -> JobCreated:
+    """Create a job (202), or return the job of a replayed Idempotency-Key (200). Another
+    key for a computation that already succeeded or is running returns its job (200,
+    ``dedup: reused``); for one that failed or was cancelled it starts a new run of that
+    job (202, ``dedup: restarted``)."""
+    return created_answer(ctx, intake_result(ctx, event_for(ctx.settings, t, idempotency_key,
+                                                             req)), response)
+
+
+@jobs.post("/v1/jobs/upload", status_code=202, response_model=JobCreated,
+           responses={200: {"model": JobCreated, "description": "replayed intent"},
+                      409: {"model": Problem}, 422: {"model": Problem}})
+async def upload_job(t: Tenant, idempotency_key: IdemKey, response: Response, ctx: Ctx,
+                     file: Annotated[UploadFile, File(description="The document.")],
+                     lane: Annotated[Literal["interactive", "batch"] | None, Form()] = None,
+                     prompt_version: Annotated[str | None, Form()] = None,
+                     model_profile: Annotated[str | None, Form()] = None) -> JobCreated:
+    """Create a job from a multipart/form-data upload (``file`` plus optional fields);
+    the same rules as ``POST /v1/jobs``. PDFs are recognised by type or ``%PDF-``."""
+    settings = ctx.settings
+    data = await file.read()
+    if len(data) > settings.max_inline_document_bytes:
+        raise _problem(413, "document_too_large",
+                       f"{len(data)} bytes; the limit is {settings.max_inline_document_bytes}")
+    is_pdf = file.content_type == "application/pdf" or data[:5] == b"%PDF-"
+    try:
+        req = JobRequest(filename=(file.filename or "document")[:512] or "document",
+                         content_b64=base64.b64encode(data).decode(),
+                         content_type="application/pdf" if is_pdf else "text/plain",
+                         lane=lane, prompt_version=prompt_version,
+                         model_profile=model_profile)
+    except ValidationError as exc:  # e.g. a control character in the file's name
+        raise _invalid_request(exc) from None
+    return await asyncio.to_thread(lambda: created_answer(
+        ctx, intake_result(ctx, event_for(settings, t, idempotency_key, req)), response))
+
+
+@jobs.get("/v1/jobs/{job_id}", response_model=JobView)
+def get_job(job_id: uuid.UUID, t: Tenant, ctx: Ctx) -> JobView:
+    """The job's status, stages, provider attempts, cost so far and result. Another
+    tenant's job is 404."""
+    return job_view(ctx, t, job_id)
+
+
+@jobs.post("/v1/jobs/{job_id}/cancel", status_code=202, response_model=JobCreated,
+           responses={200: {"model": JobCreated, "description": "the job had already "
+                                                                "ended: nothing changed"}})
+def cancel_job(job_id: uuid.UUID, t: Tenant, response: Response, ctx: Ctx) -> JobCreated:
+    """Ask the job to stop: workers stop before the next provider call and abort an
+    in-flight one; a job with no running stage ends ``cancelled`` at once (202).
+    Cancelling a finished job changes nothing, not even ``cancel_requested`` (200, the
+    state it ended in)."""
+    with ctx.store.tx() as conn:
+        row = conn.execute(Q["request_cancel"], (job_id, t)).fetchone()
+        if row is None:
+            ended = conn.execute(Q["api_job_status"], (job_id, t)).fetchone()
+            if ended is None:
                 raise _problem(404, "not_found", f"no job {job_id}")
-            stages = list(conn.execute(Q["api_job_stages"], (job_id,)))
-            attempts = list(conn.execute(Q["api_job_attempts"], (job_id,)))
-            result = None
-            if job["status"] == "succeeded":
-                row = conn.execute(Q["get_stage"], (job_id, "validate")).fetchone()
-                result = row["output"] if row else None
-        started, finished = job["first_started_at"], job["finished_at"]
-        return JobView(
-            job_id=job_id, status=job["status"], current_stage=job["current_stage"],
-            stages_done=sum(s["status"] == "succeeded" for s in stages),
-            stages_total=len(STAGES), lane=job["lane"], filename=job["filename"],
-            pipeline=job["pipeline"], prompt_version=job["prompt_version"],
-            model_profile=job["model_profile"],
-            stage_runs=sum(s["attempt"] for s in stages if s["stage"] != STAGES[0]),
-            provider_attempts=[AttemptView(**a) for a in attempts],
-            cost_so_far_usd=job["cost_so_far_usd"], charge_usd=float(job["charge_usd"]),
-            cancel_requested=job["cancel_requested"], error_code=job["error_code"],
-            error=job["error"], created_at=job["created_at"], finished_at=finished,
-            queue_wait_s=(started - job["created_at"]).total_seconds() if started else None,
-            run_s=(finished - started).total_seconds() if started and finished else None,
-            stages=[StageView(**s) for s in sorted(stages, key=lambda s: STAGES.index(s["stage"]))],
-            result=result)
+            response.status_code = 200
+            return JobCreated(job_id=job_id, status=ended["status"],
+                              message=f"the job had already ended ({ended['status']}): "
+                                      "nothing to cancel")
+        conn.execute(Q["cancel_waiting_jobs"], ([job_id],))
+    return JobCreated(job_id=job_id, status=_job_status(ctx, job_id),
+                      message="cancel requested: the job stops before its next provider "
+                              "call")
 
-    @app.get("/v1/jobs/{job_id}", response_model=JobView)
-    def get_job(job_id: uuid.UUID, t: Tenant) -> JobView:
-        """The job's status, stages, provider attempts, cost so far and result. Another
-        tenant's job is 404."""
-        return view(t, job_id)
 
-    @app.post("/v1/jobs/{job_id}/cancel", status_code=202, response_model=JobCreated,
-              responses={200: {"model": JobCreated, "description": "the job had already "
-                                                                   "ended: nothing changed"}})
-    def cancel_job(job_id: uuid.UUID, t: Tenant, response: Response) -> JobCreated:
-        """Ask the job to stop: workers stop before the next provider call and abort an
-        in-flight one; a job with no running stage ends ``cancelled`` at once (202).
-        Cancelling a finished job changes nothing, not even ``cancel_requested`` (200, the
-        state it ended in)."""
-        with ctx.store.tx() as conn:
-            row = conn.execute(Q["request_cancel"], (job_id, t)).fetchone()
-            if row is None:
-                ended = conn.execute(Q["api_job_status"], (job_id, t)).fetchone()
-                if ended is None:
-                    raise _problem(404, "not_found", f"no job {job_id}")
-                response.status_code = 200
-                return JobCreated(job_id=job_id, status=ended["status"],
-                                  message=f"the job had already ended ({ended['status']}): "
-                                          "nothing to cancel")
-            conn.execute(Q["cancel_waiting_jobs"], ([job_id],))
-        return JobCreated(job_id=job_id, status=job_status(job_id),
-                          message="cancel requested: the job stops before its next provider "
-                                  "call")
+@jobs.get("/v1/jobs/{job_id}/events")
+async def job_events(job_id: uuid.UUID, t: Tenant, request: Request, ctx: Ctx,
+                     poll_s: float = 0.5) -> StreamingResponse:
+    """Server-Sent Events: a ``progress`` event (the JobView as JSON) whenever the job
+    changes, and a ``: keep-alive`` comment every ``JOBSTREAM_SSE_KEEPALIVE_S`` seconds
+    without one (proxies cut idle streams). The stream ends with an ``end`` event
+    (``status``, ``current_stage``, ``error_code``, ``waiting_for``) on a terminal state
+    and on every state that waits for a person (``needs_reconciliation``:
+    ``waiting_for: operator``, see ``jobstream reconcile``)."""
+    job_view(ctx, t, job_id)  # 404 before the stream starts
+    keepalive_s = ctx.settings.sse_keepalive_s
 
-    @app.get("/v1/jobs/{job_id}/events")
-    async def job_events(job_id: uuid.UUID, t: Tenant, request: Request,
-                         poll_s: float = 0.5) -> StreamingResponse:
-        """Server-Sent Events: a ``progress`` event (the JobView as JSON) whenever the job
-        changes, and a ``: keep-alive`` comment every ``JOBSTREAM_SSE_KEEPALIVE_S`` seconds
-        without one (proxies cut idle streams). The stream ends with an ``end`` event
-        (``status``, ``current_stage``, ``error_code``, ``waiting_for``) on a terminal state
-        and on every state that waits for a person (``needs_reconciliation``:
-        ``waiting_for: operator``, see ``jobstream reconcile``)."""
-        view(t, job_id)  # 404 before the stream starts
-        keepalive_s = settings.sse_keepalive_s
+    async def stream() -> AsyncIterator[str]:
+        last = None
+        quiet_since = time.monotonic()
+        while not await request.is_disconnected():
+            v = await asyncio.to_thread(job_view, ctx, t, job_id)
+            body = v.model_dump_json()
+            if body != last:
+                yield f"event: progress\ndata: {body}\n\n"
+                last, quiet_since = body, time.monotonic()
+            elif time.monotonic() - quiet_since >= keepalive_s:
+                yield ": keep-alive\n\n"
+                quiet_since = time.monotonic()
+            if v.status in TERMINAL or v.status in WAITING_FOR_PERSON:
+                end = {"status": v.status, "current_stage": v.current_stage,
+                       "error_code": v.error_code,
+                       "waiting_for": WAITING_FOR_PERSON.get(v.status)}
+                yield f"event: end\ndata: {json.dumps(end)}\n\n"
+                return
+            await asyncio.sleep(max(0.1, min(poll_s, 5.0, keepalive_s)))
 
-        async def stream() -> AsyncIterator[str]:
-            last = None
-            quiet_since = time.monotonic()
-            while not await request.is_disconnected():
-                v = await asyncio.to_thread(view, t, job_id)
-                body = v.model_dump_json()
-                if body != last:
-                    yield f"event: progress\ndata: {body}\n\n"
-                    last, quiet_since = body, time.monotonic()
-                elif time.monotonic() - quiet_since >= keepalive_s:
-                    yield ": keep-alive\n\n"
-                    quiet_since = time.monotonic()
-                if v.status in TERMINAL or v.status in WAITING_FOR_PERSON:
-                    end = {"status": v.status, "current_stage": v.current_stage,
-                           "error_code": v.error_code,
-                           "waiting_for": WAITING_FOR_PERSON.get(v.status)}
-                    yield f"event: end\ndata: {json.dumps(end)}\n\n"
-                    return
-                await asyncio.sleep(max(0.1, min(poll_s, 5.0, keepalive_s)))
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
 
-        return StreamingResponse(stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
 
-    @app.post("/v1/batches", status_code=202, response_model=BatchView,
+# ------------------------------------------------------------------------------ batches router
+
+#: ``/v1/batches``: create up to 1000 jobs in one transaction, read and cancel a batch.
+batches = APIRouter(tags=["batches"])
+
+
+@batches.post("/v1/batches", status_code=202, response_model=BatchView,
               responses={200: {"model": BatchView}, 409: {"model": Problem},
                          422: {"model": Problem}})
-    def create_batch(req: BatchRequest, t: Tenant, idempotency_key: IdemKey,
-                     response: Response) -> BatchView:
-        """Create up to 1000 jobs in ONE transaction (document i gets the idempotency key
-        ``<key>:<i>``). The same key again returns the same batch; another body is 409."""
-        events, total = [], 0
-        for i, d in enumerate(req.documents):
-            events.append(event_for(t, f"{idempotency_key}:{i}", d, req.lane))
-            total += events[-1].payload.document.size_bytes
-            if total > settings.api_max_batch_bytes:
-                raise _problem(413, "batch_too_large",
-                               f"the batch's documents are over {settings.api_max_batch_bytes} "
-                               f"bytes together (at document {i})")
-        rh = sha256_hex(canonical_json([e.payload.model_dump(mode="json") for e in events]))
-        with ctx.store.tx() as conn:
-            # A concurrent identical request waits here for the first one's transaction; then
-            # it finds the batch and replays it (no unique violation, no 500).
-            new_id = uuid.uuid4()
-            created = conn.execute(Q["insert_batch"],
-                                   (new_id, t, idempotency_key, rh, req.lane)).fetchone()
-            if created is None:
-                found = conn.execute(Q["find_batch"], (t, idempotency_key)).fetchone()
-                if found["request_hash"] != rh:
-                    raise _problem(409, "idempotency_key_conflict",
-                                   f"batch key {idempotency_key!r} was used for another body")
-                batch_id = found["batch_id"]
-                response.status_code = 200
-                response.headers["Idempotent-Replayed"] = "true"
-            else:
-                batch_id = new_id
-                # Document and job rows are locked in one global order (hash, content type),
-                # not the request's: concurrent batches sharing documents in another order
-                # deadlocked (503 for all but one).
-                order = sorted(range(len(events)), key=lambda i: (
-                    events[i].payload.document.sha256, events[i].payload.document.content_type))
-                for i in order:
-                    job_id, _ = intake(events[i], conn)
-                    conn.execute(Q["insert_batch_job"], (batch_id, i, job_id))
-        return batch_view(t, batch_id)
+def create_batch(req: BatchRequest, t: Tenant, idempotency_key: IdemKey, response: Response,
+                 ctx: Ctx) -> BatchView:
+    """Create up to 1000 jobs in ONE transaction (document i gets the idempotency key
+    ``<key>:<i>``). The same key again returns the same batch (200, ``Idempotent-Replayed:
+    true``); another body is 409 — the same rules, and code, as ``POST /v1/jobs``."""
+    settings = ctx.settings
+    events: list[DocumentUploaded] = []
+    total = 0
+    for i, d in enumerate(req.documents):
+        events.append(event_for(settings, t, f"{idempotency_key}:{i}", d, req.lane))
+        total += events[-1].payload.document.size_bytes
+        if total > settings.api_max_batch_bytes:
+            raise _problem(413, "batch_too_large",
+                           f"the batch's documents are over {settings.api_max_batch_bytes} "
+                           f"bytes together (at document {i})")
+    rh = idempotency.batch_request_hash(
+        [idempotency.document_request_hash(e.payload) for e in events])
+    with ctx.store.tx() as conn:
+        # A concurrent identical request waits here for the first one's transaction; then
+        # it finds the batch and replays it (no unique violation, no 500).
+        new_id = uuid.uuid4()
+        created = conn.execute(Q["insert_batch"],
+                               (new_id, t, idempotency_key, rh, req.lane)).fetchone()
+        if created is None:
+            batch_id = idempotency.bound_target(
+                conn.execute(Q["find_batch"], (t, idempotency_key)).fetchone(),
+                key=idempotency_key, request_hash=rh, target="batch")
+            assert batch_id is not None  # the insert conflicted: the record exists
+            _replayed(response)
+        else:
+            batch_id = new_id
+            # Document and job rows are locked in one global order (hash, content type),
+            # not the request's: concurrent batches sharing documents in another order
+            # deadlocked (503 for all but one).
+            order = sorted(range(len(events)), key=lambda i: (
+                events[i].payload.document.sha256, events[i].payload.document.content_type))
+            for i in order:
+                job_id = intake_result(ctx, events[i], conn).job_id
+                conn.execute(Q["insert_batch_job"], (batch_id, i, job_id))
+    return batch_view(ctx, t, batch_id)
 
-    def batch_view(t: str, batch_id: uuid.UUID) -> BatchView:
-        with ctx.store.tx() as conn:
-            row = conn.execute(Q["api_batch"], (batch_id, t)).fetchone()
-            if row is None:
-                raise _problem(404, "not_found", f"no batch {batch_id}")
-            ids = [r["job_id"] for r in conn.execute(Q["batch_job_ids"], (batch_id, t))]
-        return BatchView(**{k: row[k] for k in BatchView.model_fields if k != "job_ids"},
-                         job_ids=ids)
 
-    @app.get("/v1/batches/{batch_id}", response_model=BatchView)
-    def get_batch(batch_id: uuid.UUID, t: Tenant) -> BatchView:
-        """Counts per status and cost so far of a batch (one query)."""
-        return batch_view(t, batch_id)
+@batches.get("/v1/batches/{batch_id}", response_model=BatchView)
+def get_batch(batch_id: uuid.UUID, t: Tenant, ctx: Ctx) -> BatchView:
+    """Counts per status and cost so far of a batch (one query)."""
+    return batch_view(ctx, t, batch_id)
 
-    @app.post("/v1/batches/{batch_id}/cancel", status_code=202, response_model=BatchView)
-    def cancel_batch(batch_id: uuid.UUID, t: Tenant) -> BatchView:
-        """Cancel every unfinished job of the batch: queued stages are skipped when their
-        events arrive, running ones stop before their next provider call."""
-        with ctx.store.tx() as conn:
-            if conn.execute(Q["mark_batch_cancelled"], (batch_id, t)).fetchone() is None:
-                raise _problem(404, "not_found", f"no batch {batch_id}")
-            conn.execute(Q["request_cancel_batch"], (batch_id,))
-            ids = [r["job_id"] for r in conn.execute(Q["batch_job_ids"], (batch_id, t))]
-            conn.execute(Q["cancel_waiting_jobs"], (ids,))
-        return batch_view(t, batch_id)
 
-    metrics_registry = metrics.registry(settings, ctx.store)
+@batches.post("/v1/batches/{batch_id}/cancel", status_code=202, response_model=BatchView)
+def cancel_batch(batch_id: uuid.UUID, t: Tenant, ctx: Ctx) -> BatchView:
+    """Cancel every unfinished job of the batch: queued stages are skipped when their
+    events arrive, running ones stop before their next provider call."""
+    with ctx.store.tx() as conn:
+        if conn.execute(Q["mark_batch_cancelled"], (batch_id, t)).fetchone() is None:
+            raise _problem(404, "not_found", f"no batch {batch_id}")
+        conn.execute(Q["request_cancel_batch"], (batch_id,))
+        ids = [r["job_id"] for r in conn.execute(Q["batch_job_ids"], (batch_id, t))]
+        conn.execute(Q["cancel_waiting_jobs"], (ids,))
+    return batch_view(ctx, t, batch_id)
 
-    @app.get("/metrics", include_in_schema=False)
-    def prometheus_metrics(request: Request) -> Response:
-        """Prometheus metrics of the whole pipeline, read from Postgres and Kafka now
-        (:mod:`jobstream.metrics`); OpenMetrics when the scraper asks for it. No token: expose
-        it to the monitoring network only."""
-        from prometheus_client.exposition import choose_encoder
-        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
-        return Response(encoder(metrics_registry), headers={"Content-Type": content_type})
 
-    @app.get("/healthz", include_in_schema=False)
-    def healthz() -> JSONResponse:
-        """Readiness (jobstream/health.py): 200 while the API can get a database connection,
-        503 after ``health_fail_after_s`` without one."""
-        from jobstream import health
-        ready = health.current()
-        if ready is None:
-            return JSONResponse({"status": "ok", "process": "api"})
-        return JSONResponse(ready.status(), status_code=200 if ready.healthy else 503)
+# ------------------------------------------------------------------------------ ops router
 
-    return app
+#: ``/metrics`` and ``/healthz`` (no token, not in the OpenAPI document).
+ops = APIRouter(include_in_schema=False)
+
+
+@ops.get("/metrics")
+def prometheus_metrics(request: Request) -> Response:
+    """Prometheus metrics of the whole pipeline, read from Postgres and Kafka now
+    (:mod:`jobstream.metrics`); OpenMetrics when the scraper asks for it. No token: expose
+    it to the monitoring network only."""
+    from prometheus_client.exposition import choose_encoder
+    encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+    return Response(encoder(request.app.state.metrics_registry),
+                    headers={"Content-Type": content_type})
+
+
+@ops.get("/healthz")
+def healthz() -> JSONResponse:
+    """Readiness (jobstream/health.py): 200 while the API can get a database connection,
+    503 after ``health_fail_after_s`` without one."""
+    from jobstream import health
+    ready = health.current()
+    if ready is None:
+        return JSONResponse({"status": "ok", "process": "api"})
+    return JSONResponse(ready.status(), status_code=200 if ready.healthy else 503)
 
 
 #: Tokens that are examples, not secrets: the API refuses them unless allowed for development.
@@ -690,6 +791,6 @@ def main(settings: Settings, host: str, port: int) -> int:
     app = create_app(settings)
     health.setup("api", settings, probe=app.state.ctx.store.probe, serve=False)
     # JSON logs: uvicorn's loggers propagate to the root handler instead of their own.
-    uvicorn.run(app, host=host, port=port, log_level="info",
-                **({"log_config": None} if settings.log_format == "json" else {}))
+    extra: dict[str, Any] = {"log_config": None} if settings.log_format == "json" else {}
+    uvicorn.run(app, host=host, port=port, log_level="info", **extra)
     return 0

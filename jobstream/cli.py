@@ -91,7 +91,7 @@ def demo(tenant: str | None, timeout_s: float, no_services: bool) -> None:
 
     Exits 0 only when every job succeeded and every job.ready was applied exactly once.
     """
-    from jobstream import demo as demo_mod
+    from jobstream.drills import demo as demo_mod
     logging.getLogger().setLevel(logging.WARNING)
     sys.exit(demo_mod.run(get_settings(), tenant=tenant, timeout_s=timeout_s,
                           services=not no_services))
@@ -185,7 +185,7 @@ def connect_delete() -> None:
         raise click.ClickException(str(exc)) from None
 
 
-def _print_connect_status(st: dict) -> None:  # type: ignore[type-arg]
+def _print_connect_status(st: dict) -> None:
     click.echo(f"connector {st['connector']}: {st['state']}"
                + (f" ({st['connect_error']})" if st.get("connect_error") else ""))
     for t in st["tasks"]:
@@ -328,17 +328,17 @@ _api_token = click.option("--token", envvar="JOBSTREAM_API_TOKEN", required=True
 _TERMINAL = ("succeeded", "failed", "cancelled", "needs_reconciliation")
 
 
-def _client(api_url: str, token: str):  # type: ignore[no-untyped-def]
+def _client(api_url: str, token: str):
     from jobstream.client import ApiClient
     _quiet_http_client()
     return ApiClient(api_url, token)
 
 
-def _api_errors(fn):  # type: ignore[no-untyped-def]
+def _api_errors(fn):
     import functools
 
     @functools.wraps(fn)
-    def wrapper(*a, **kw):  # type: ignore[no-untyped-def]
+    def wrapper(*a, **kw):
         from jobstream.client import ApiError
         try:
             return fn(*a, **kw)
@@ -347,7 +347,7 @@ def _api_errors(fn):  # type: ignore[no-untyped-def]
     return wrapper
 
 
-def _follow(client, ids: list[str], what: str) -> list[dict]:  # type: ignore[no-untyped-def]
+def _follow(client, ids: list[str], what: str) -> list[dict]:
     """Poll jobs until each has ended or waits for a person, with a progress bar of jobs
     finished (a failed job is finished too: the bar never stops short); returns the final
     views."""
@@ -365,7 +365,7 @@ def _follow(client, ids: list[str], what: str) -> list[dict]:  # type: ignore[no
             time.sleep(0.5)
 
 
-def _print_jobs(views: list[dict]) -> None:  # type: ignore[type-arg]
+def _print_jobs(views: list[dict]) -> None:
     """One row per job: status, the stage it is at (for a failed job: the stage that failed),
     the error code."""
     t = Table()
@@ -379,16 +379,16 @@ def _print_jobs(views: list[dict]) -> None:  # type: ignore[type-arg]
     Console().print(t)
 
 
-def _summary(views: list[dict]) -> int:  # type: ignore[type-arg]
+def _summary(views: list[dict]) -> int:
     """Print the summary table of finished jobs (succeeded / failed with their stages and error
     codes / cancelled / waiting for an operator); returns the exit code: 1 when a job failed
     or waits for reconciliation, else 0 (a cancelled job is what its owner asked for)."""
     from collections import Counter
-    by: dict[str, list[dict]] = {}  # type: ignore[type-arg]
+    by: dict[str, list[dict]] = {}
     for v in views:
         by.setdefault(v["status"], []).append(v)
 
-    def codes(vs: list[dict]) -> str:  # type: ignore[type-arg]
+    def codes(vs: list[dict]) -> str:
         c = Counter(f"{v['error_code'] or '?'} at {v['current_stage']}" for v in vs)
         return ", ".join(f"{k} ×{n}" if n > 1 else k for k, n in sorted(c.items()))
     t = Table(title=f"{len(views)} jobs")
@@ -546,7 +546,7 @@ def batch(files: tuple[Path, ...], api_url: str, token: str, idempotency_key: st
         sys.exit(_summary([client.job(i) for i in b["job_ids"]]))
 
 
-def _ctx():  # type: ignore[no-untyped-def]
+def _ctx():
     from jobstream.store import Store
     from streams.context import StageContext
     s = get_settings()
@@ -559,7 +559,7 @@ def _ctx():  # type: ignore[no-untyped-def]
               type=StageName(redrive_stage_choices()),
               help="Stage to restart at (default: the first one that did not succeed). "
                    "Finished stages with unchanged code are re-emitted, not redone.")
-def redrive(job_id, from_stage: str | None) -> None:  # type: ignore[no-untyped-def]
+def redrive(job_id, from_stage: str | None) -> None:
     """Send a failed, parked or finished job through its stages again."""
     from streams.actions import redrive as do_redrive
     try:
@@ -574,7 +574,7 @@ def redrive(job_id, from_stage: str | None) -> None:  # type: ignore[no-untyped-
 @click.option("--retry", "resolution", flag_value="retry",
               help="Call the provider again for the chunks without an answer.")
 @click.option("--fail", "resolution", flag_value="fail", help="End the job as failed.")
-def reconcile(job_id, resolution: str | None) -> None:  # type: ignore[no-untyped-def]
+def reconcile(job_id, resolution: str | None) -> None:
     """List jobs parked in needs_reconciliation (no JOB_ID), or resolve one.
 
     A job is parked when a batch-lane provider call timed out after it was sent: the provider
@@ -812,7 +812,7 @@ def dlq_replay(topic: str, reason_codes: tuple[str, ...], limit: int | None, dry
 
 @main.command()
 @click.option("--points", help="Comma-separated fault specs <point>[:<event_type>][@N] "
-              "(default: every point, each fired mid-batch; see jobstream/chaos.py).")
+              "(default: every point, each fired mid-batch; see jobstream/drills/chaos.py).")
 @click.option("--jobs", default=5, show_default=True, help="Documents submitted per point.")
 @click.option("--keep", is_flag=True, help="Keep every scratch database and topic, not only "
               "those of failed points.")
@@ -828,7 +828,7 @@ def chaos(points: str | None, jobs: int, keep: bool, mode: str) -> None:
     Each point runs in a scratch database and topic prefix on the configured servers, with a
     fake OpenAI-compatible provider on loopback. Exits 0 only when every point passed.
     """
-    from jobstream import chaos as chaos_mod
+    from jobstream.drills import chaos as chaos_mod
     faults = [p.strip() for p in points.split(",") if p.strip()] if points else list(
         chaos_mod.PAUSE_PLAN if mode == "pause" else chaos_mod.DEFAULT_PLAN)
     try:
@@ -872,7 +872,7 @@ def chaos(points: str | None, jobs: int, keep: bool, mode: str) -> None:
 @click.option("--port", default=8089, show_default=True, help="Port on 127.0.0.1.")
 @click.option("--script", "script_json", default="{}", show_default=True,
               help='Behaviour script as JSON, e.g. \'{"sequence": [{"status": 429, '
-                   '"retry_after": "1"}]}\' (see jobstream/llm/fake_provider.py).')
+                   '"retry_after": "1"}]}\' (see jobstream/drills/fake_provider.py).')
 def fake_provider(port: int, script_json: str) -> None:
     """Serve a scriptable fake OpenAI-compatible provider on loopback (for fault drills).
 
@@ -881,7 +881,7 @@ def fake_provider(port: int, script_json: str) -> None:
     """
     import json
 
-    from jobstream.llm.fake_provider import FakeProvider
+    from jobstream.drills.fake_provider import FakeProvider
     fp = FakeProvider(json.loads(script_json), port=port)
     click.echo(f"fake provider at {fp.base_url} (GET /_control/calls for counts)")
     try:

@@ -82,7 +82,7 @@ class Finding:
 
 
 def _dbname(settings: Settings) -> str:
-    return conninfo_to_dict(settings.database_url).get("dbname") or "jobstream"
+    return str(conninfo_to_dict(settings.database_url).get("dbname") or "jobstream")
 
 
 def names(settings: Settings) -> Names:

@@ -14,10 +14,13 @@ from importlib import resources
 from pathlib import Path
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import DictRow, dict_row
 
 _MIGRATIONS = Path(__file__).parent / "migrations"
 _MIGRATE_LOCK_ID = 0x6A6F6273  # "jobs": pg_advisory_lock key serialising migrate()
+
+#: A connection whose rows are dicts (column name -> value), as every jobstream connection is.
+Conn = psycopg.Connection[DictRow]
 
 
 def _load_queries() -> dict[str, str]:
@@ -33,7 +36,7 @@ def _load_queries() -> dict[str, str]:
 QUERIES: dict[str, str] = _load_queries()
 
 
-def connect(url: str, *, autocommit: bool = False) -> psycopg.Connection:
+def connect(url: str, *, autocommit: bool = False) -> Conn:
     """Open one connection with dict rows. Raises ``psycopg.OperationalError`` if unreachable."""
     return psycopg.connect(url, autocommit=autocommit, row_factory=dict_row, connect_timeout=10)
 

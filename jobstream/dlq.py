@@ -56,7 +56,7 @@ import psycopg
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from jobstream.db import QUERIES as Q
-from jobstream.db import connect
+from jobstream.db import Conn, connect
 from jobstream.deadletter import CONSUMED_TOPIC_HEADER, STORED_HEADER
 from jobstream.errors import PermanentError, RetryableError
 from jobstream.kafka import CONSUMED_TOPICS, base_config, producer_config, read_headers
@@ -457,7 +457,7 @@ def resume_offsets(starts: dict[int, int], read_to: dict[int, int],
 
 
 @contextmanager
-def _ledger(url: str) -> Iterator[psycopg.Connection]:
+def _ledger(url: str) -> Iterator[Conn]:
     """A dedicated autocommit connection (it holds the session-level replay lock)."""
     try:
         with connect(url, autocommit=True) as conn:
@@ -473,7 +473,7 @@ def _ledger(url: str) -> Iterator[psycopg.Connection]:
 class _Replayer:
     """The state of one replay run over one DLQ topic (see :func:`replay`)."""
 
-    def __init__(self, settings: Settings, conn: psycopg.Connection, report: ReplayReport, *,
+    def __init__(self, settings: Settings, conn: Conn, report: ReplayReport, *,
                  source_partitions: int, done: dict[int, set[int]], reason_codes: set[str],
                  limit: int | None) -> None:
         self.settings = settings
@@ -649,7 +649,7 @@ def replay(settings: Settings, topic: str, *, reason_codes: Sequence[str] = (),
     return report
 
 
-def _replay_stored(settings: Settings, conn: psycopg.Connection, report: ReplayReport, *,
+def _replay_stored(settings: Settings, conn: Conn, report: ReplayReport, *,
                    source_partitions: int, reason_codes: set[str], limit: int | None) -> None:
     """Replay the ``dead_letter`` rows of the report's topic not replayed yet: re-produce the
     original key, value and headers (plus ``dlq_replayed_from=dead_letter:<id>``), then mark
@@ -657,7 +657,7 @@ def _replay_stored(settings: Settings, conn: psycopg.Connection, report: ReplayR
     while the topic still refuses them)."""
     rows = conn.execute(Q["dead_letter_list"], {
         "topics": [report.original_topic], "prefix": "", "limit": 1_000_000}).fetchall()
-    todo = []
+    todo: list[dict[str, Any]] = []
     for r in rows:
         if r["replayed_at"] is not None:
             report.already_replayed += 1
@@ -683,6 +683,12 @@ def _replay_stored(settings: Settings, conn: psycopg.Connection, report: ReplayR
         "client.id": settings.group(REPLAY_GROUP),
         "message.max.bytes": settings.kafka_message_max_bytes + settings.dlq_headroom_bytes}))
     results: dict[int, tuple[KafkaError | None, Message | None]] = {}
+
+    def report_to(i: int) -> Any:
+        def on_delivery(err: KafkaError | None, msg: Message) -> None:
+            results[i] = (err, msg)
+        return on_delivery
+
     for r in todo:
         part = r["kafka_partition"]
         if part is None or not 0 <= part < source_partitions:
@@ -692,8 +698,7 @@ def _replay_stored(settings: Settings, conn: psycopg.Connection, report: ReplayR
         try:
             producer.produce(report.original_topic, key=r["kafka_key"], value=r["value"],
                              partition=part, headers=headers,
-                             on_delivery=lambda err, msg, i=r["id"]: results.update(
-                                 {i: (err, msg)}))
+                             on_delivery=report_to(r["id"]))
         except (KafkaException, BufferError) as exc:
             results[r["id"]] = (exc.args[0] if exc.args and isinstance(
                 exc.args[0], KafkaError) else KafkaError(KafkaError._FAIL, str(exc)), None)

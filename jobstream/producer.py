@@ -28,7 +28,7 @@ def uploaded_event(path: Path, *, tenant_id: str, idempotency_key: str, settings
     """A ``document.uploaded`` for the file at ``path`` (inline bytes or a ``file://`` URI)."""
     data = path.read_bytes()
     doc = DocumentRef(
-        filename=filename or path.name, content_type=content_type_of(path),  # type: ignore[arg-type]
+        filename=filename or path.name, content_type=content_type_of(path),
         sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data),
         content_b64=base64.b64encode(data).decode() if inline else None,
         uri=None if inline else f"file://{path.resolve()}")
@@ -37,11 +37,11 @@ def uploaded_event(path: Path, *, tenant_id: str, idempotency_key: str, settings
         payload=DocumentUploadedPayload(
             document=doc, pipeline=settings.pipeline,
             prompt_version=prompt_version or settings.prompt_version,
-            model_profile=model_profile or settings.model_profile, lane=lane))  # type: ignore[arg-type]
+            model_profile=model_profile or settings.model_profile, lane=lane))
 
 
 def produce_raw(settings: Settings, topic: str, values: list[tuple[bytes | None, bytes | None]],
-                headers: list[tuple[str, bytes]] | None = None) -> None:
+                headers: list[tuple[str, str | bytes | None]] | None = None) -> None:
     """Produce ``(key, value)`` pairs to ``topic`` (full name) and wait for every delivery.
 
     Raises ``RuntimeError`` if any message was not acknowledged within 60 s.

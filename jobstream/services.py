@@ -44,7 +44,7 @@ def kafka_answers(bootstrap: str) -> bool:
     try:
         # A probe: "connection refused" is its answer, not something to log.
         md = AdminClient({"bootstrap.servers": bootstrap,
-                          "logger": logging.getLogger("jobstream.services.probe")}
+                          "logger": logging.getLogger("jobstream.services.probe")}  # type: ignore[dict-item]  # librdkafka's logger is a Logger; the stub allows scalars only
                          ).list_topics(timeout=5)
         return bool(md.brokers)
     except Exception:  # librdkafka raises KafkaException on timeout

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any, Literal
 
@@ -187,6 +188,28 @@ class Settings(BaseSettings):
                                 "failed with a retriable error (seconds; doubles from 0.5)."
     )
     relay_batch_size: int = Field(500, ge=1, description="Outbox rows per relay batch.")
+    relay_max_in_flight: int = Field(
+        5000, ge=1, description="Relay: most rows produced and not yet acknowledged; the next "
+                                "batch is fetched while earlier ones are in flight."
+    )
+    relay_in_flight_wait_s: float = Field(
+        0.005, gt=0, description="Relay, caught up with rows in flight: how long it waits for "
+                                 "a NOTIFY before marking the acknowledged rows (seconds)."
+    )
+    relay_rescan_s: float = Field(
+        1.0, gt=0, description="Relay, draining a backlog: how often it also looks below its "
+                               "last id for rows of transactions that committed late (seconds)."
+    )
+    relay_late_commit_s: float = Field(
+        5.0, gt=0, description="Relay: a transaction that wrote an outbox row commits within "
+                               "this long (seconds); the relay's floor trails by as much. A "
+                               "longer one's rows wait for the next full rescan."
+    )
+    relay_full_rescan_s: float = Field(
+        60.0, gt=0, description="Relay: how often it reads the outbox from id 0 (seconds): "
+                                "the bound for rows of transactions open longer than "
+                                "relay_late_commit_s."
+    )
     relay_poll_interval_s: float = Field(
         1.0, gt=0, description="Relay polling fallback when no NOTIFY arrives (seconds)."
     )
@@ -403,7 +426,7 @@ class Settings(BaseSettings):
         """The libpq URL of the job store, password included (do not log it)."""
         return self.database_dsn.get_secret_value()
 
-    def model_copy(self, *, update: dict[str, Any] | None = None,
+    def model_copy(self, *, update: Mapping[str, Any] | None = None,
                    deep: bool = False) -> Settings:
         """A copy with ``update`` applied; ``database_url`` is accepted for ``database_dsn``."""
         if update and "database_url" in update:

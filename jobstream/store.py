@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -23,9 +23,10 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 from pydantic import BaseModel
 
-from jobstream import health, tracing
+from jobstream import health, idempotency, tracing
 from jobstream.db import QUERIES as Q
-from jobstream.errors import IdempotencyConflict, PoisonMessage, RetryableError, StaleRun
+from jobstream.db import Conn
+from jobstream.errors import PoisonMessage, RetryableError, StaleRun
 from schemas.events import encode_event
 from schemas.pipeline import PIPELINE
 
@@ -126,11 +127,11 @@ class Store:
         ``application_name`` (pg_stat_activity shows who holds what)."""
         self.url = url
         self.timeout_s = timeout_s
-        self.pool = ConnectionPool(url, min_size=min_size, max_size=max_size,
-                                   max_idle=max_idle_s, open=True,
-                                   kwargs={"row_factory": dict_row, "connect_timeout": 10,
-                                           "application_name": name},
-                                   check=ConnectionPool.check_connection)
+        self.pool: ConnectionPool[Conn] = ConnectionPool(
+            url, min_size=min_size, max_size=max_size, connection_class=Conn,
+            max_idle=max_idle_s, open=True,
+            kwargs={"row_factory": dict_row, "connect_timeout": 10, "application_name": name},
+            check=ConnectionPool.check_connection)
 
     @classmethod
     def for_process(cls, settings: Any, process: str, max_size: int) -> Store:
@@ -142,7 +143,7 @@ class Store:
                    name=f"jobstream-{process}")
 
     @contextmanager
-    def connection(self) -> Iterator[psycopg.Connection]:
+    def connection(self) -> Iterator[Conn]:
         """A pooled connection (no transaction); reports to the process's readiness
         (:mod:`jobstream.health`). Raises ``psycopg.OperationalError`` (``PoolTimeout``
         included) when none can be had within ``timeout_s``."""
@@ -166,7 +167,7 @@ class Store:
         self.pool.close()
 
     @contextmanager
-    def tx(self) -> Iterator[psycopg.Connection]:
+    def tx(self) -> Iterator[Conn]:
         """One transaction on a pooled connection; Postgres outages become RetryableError."""
         try:
             with self.connection() as conn, conn.transaction():
@@ -182,7 +183,7 @@ class Store:
     # ------------------------------------------------------------------ outbox
 
     @staticmethod
-    def add_outbox(conn: psycopg.Connection, msg: OutboxMessage) -> None:
+    def add_outbox(conn: Conn, msg: OutboxMessage) -> None:
         """Write one outbox row inside the caller's transaction (the transactional outbox).
 
         The row's headers get a W3C ``traceparent`` unless they have one: a child of the
@@ -200,7 +201,7 @@ class Store:
                                           ev["event_id"], ev["event_type"]))
 
     @staticmethod
-    def _job_trace_id(conn: psycopg.Connection, job_id: str) -> str:
+    def _job_trace_id(conn: Conn, job_id: str) -> str:
         """The job's trace-id; a job without one (created before traces) is given one."""
         row = conn.execute(Q["job_trace_id"], (job_id,)).fetchone()
         if row and row["trace_id"]:
@@ -213,8 +214,8 @@ class Store:
 
     def intake(self, *, tenant_id: str, idempotency_key: str, request_hash: str,
                request_id: str, job: dict[str, Any], content: bytes,
-               accepted: Any, topic: str, conn: psycopg.Connection | None = None,
-               extra: list[OutboxMessage] = (),  # type: ignore[assignment]
+               accepted: Any, topic: str, conn: Conn | None = None,
+               extra: Sequence[OutboxMessage] = (),
                restart: Any = None) -> IntakeResult:
         """Create a job for one client intent, in ONE transaction: document, job, idempotency
         record, ``intake`` checkpoint and the ``job.accepted`` outbox row (plus ``extra``
@@ -224,7 +225,8 @@ class Store:
         ``job_id -> event`` building the outbox event. ``conn``: join the caller's transaction
         (a savepoint is used). The same (tenant, idempotency_key) again returns the same job
         with no new work; a second key for the same dedup_key is bound to the existing job.
-        Raises :class:`IdempotencyConflict` when the key was used with a different body.
+        Raises :class:`~jobstream.errors.IdempotencyConflict` when the key was used with a
+        different body (:func:`jobstream.idempotency.bound_target`).
         ``restart``: ``(conn, job_id) -> bool``, called when a new key is bound to a job that
         failed or was cancelled, in the same transaction; it starts a new run of that job and
         returns False when the job's state changed meanwhile (then the key reuses the job).
@@ -248,31 +250,27 @@ class Store:
                 raise RetryableError(f"database unavailable: {exc}",
                                      code="db_unavailable") from None
 
-    def _intake_in(self, conn: psycopg.Connection, tenant_id: str, idempotency_key: str,
+    def _intake_in(self, conn: Conn, tenant_id: str, idempotency_key: str,
                    request_hash: str, request_id: str, job: dict[str, Any], content: bytes,
                    accepted: Any, topic: str, extra: list[OutboxMessage],
                    restart: Any = None) -> IntakeResult:
         for _ in range(3):  # a concurrent identical intent may win the insert race: re-read
             try:
                 with conn.transaction():
-                    row = conn.execute(Q["find_request"], (tenant_id, idempotency_key)).fetchone()
-                    if row:
-                        if row["request_hash"] != request_hash:
-                            raise IdempotencyConflict(
-                                f"idempotency key {idempotency_key!r} was used for another "
-                                f"request body (job {row['job_id']})")
-                        return IntakeResult(row["job_id"], False)
-                    first = conn.execute(Q["find_job_by_key"],
-                                         (tenant_id, idempotency_key)).fetchone()
-                    if first:  # the key's record expired (retention); its job remembers it
-                        if first["request_hash"] != request_hash:
-                            raise IdempotencyConflict(
-                                f"idempotency key {idempotency_key!r} was used for another "
-                                f"request body (job {first['job_id']})")
+                    bound = idempotency.bound_target(
+                        conn.execute(Q["find_request"], (tenant_id, idempotency_key)).fetchone(),
+                        key=idempotency_key, request_hash=request_hash, target="job")
+                    if bound is not None:
+                        return IntakeResult(bound, False)
+                    # The key's record expired (retention)? Its job remembers it.
+                    bound = idempotency.bound_target(
+                        conn.execute(Q["find_job_by_key"], (tenant_id, idempotency_key)
+                                     ).fetchone(),
+                        key=idempotency_key, request_hash=request_hash, target="job")
+                    if bound is not None:
                         conn.execute(Q["insert_request"], (tenant_id, idempotency_key,
-                                                           request_hash, first["job_id"],
-                                                           request_id))
-                        return IntakeResult(first["job_id"], False)
+                                                           request_hash, bound, request_id))
+                        return IntakeResult(bound, False)
                     conn.execute(Q["insert_document"], (tenant_id, job["document_sha256"],
                                                         job["content_type"], len(content), content))
                     created = conn.execute(Q["insert_job"], job).fetchone()
@@ -380,7 +378,7 @@ class Store:
             raise StaleRun(f"stage {claim.stage} of job {claim.job['job_id']} has a newer run")
 
     @staticmethod
-    def _fence(conn: psycopg.Connection, claim: Claim) -> None:
+    def _fence(conn: Conn, claim: Claim) -> None:
         """Lock the job row and check the run's generation (the run token is checked by the
         fenced UPDATE that follows). Raises :class:`StaleRun` when a redrive started a newer
         generation: the caller's transaction then writes nothing."""
@@ -529,7 +527,7 @@ class Store:
 
     def redrive(self, job_id: uuid.UUID, *, plan: Any, allowed: tuple[str, ...],
                 fence: tuple[str, uuid.UUID, float] | None = None,
-                conn: psycopg.Connection | None = None) -> str:
+                conn: Conn | None = None) -> str:
         """Re-drive a job (ONE transaction): forget the stage workers' idempotent-consumer rows
         for the job, reopen failed or parked stages, reopen the job, and write the first
         stage's input event to the outbox.
@@ -576,7 +574,7 @@ class Store:
             return str(job["status"])
 
     @staticmethod
-    def _fence_expired(conn: psycopg.Connection, job_id: uuid.UUID, stage: str,
+    def _fence_expired(conn: Conn, job_id: uuid.UUID, stage: str,
                        run_token: uuid.UUID, grace_s: float) -> int:
         """Fence the expired run ``run_token`` of ``stage`` (stage back to pending) if it still
         owns it with a lease expired past the grace; returns its attempt number. Raises

@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from jobstream.errors import PermanentError, RetryableError
 
@@ -143,9 +144,9 @@ def _run_pdf_child(content: bytes, limits: ExtractLimits) -> tuple[str, int]:
     return answer["text"], answer["page_count"]
 
 
-def _has_images(page: object) -> bool:
+def _has_images(page: Any) -> bool:  # a pypdf PageObject: PDF objects are dynamically typed
     try:
-        xobjects = page["/Resources"].get_object().get("/XObject")  # type: ignore[index]
+        xobjects = page["/Resources"].get_object().get("/XObject")
         if xobjects is None:
             return False
         xobjects = xobjects.get_object()
@@ -154,10 +155,10 @@ def _has_images(page: object) -> bool:
         return False
 
 
-def _decode_contents(page: object) -> None:
+def _decode_contents(page: Any) -> None:  # a pypdf PageObject
     """Decode the page's content streams (pypdf caches the result for ``extract_text``), so a
     decompression limit raises here instead of silently giving an empty page."""
-    contents = page.get("/Contents")  # type: ignore[attr-defined]
+    contents = page.get("/Contents")
     if contents is None:
         return
     contents = contents.get_object()
@@ -179,7 +180,7 @@ def _pdf_text(content: bytes, limits: ExtractLimits) -> tuple[str, int]:
     cap = limits.max_stream_bytes
     if hasattr(pypdf, "overwrite_configuration"):  # pypdf >= 7: one configuration object
         known = {f.name for f in dataclasses.fields(pypdf.Configuration)}
-        pypdf.overwrite_configuration(**{name: cap for name in (
+        pypdf.overwrite_configuration(None, **{name: cap for name in (
             "maximum_declared_stream_length", "array_based_stream_maximum_output_length",
             "jbig2_maximum_output_length", "lzw_maximum_output_length",
             "run_length_maximum_output_length", "zlib_maximum_output_length",
@@ -291,6 +292,7 @@ def chunk_text(text: str, size: int) -> list[Chunk]:
         elif end - cur_start <= size:
             cur_end = end
         else:
+            assert cur_end is not None  # set together with cur_start
             chunks.append(Chunk(len(chunks), cur_start, cur_end, text[cur_start:cur_end]))
             cur_start, cur_end = start, end
     if cur_start is not None and cur_end is not None:

@@ -48,7 +48,7 @@ from typing import Any, Protocol
 import psycopg
 
 from jobstream.db import QUERIES as Q
-from jobstream.db import connect
+from jobstream.db import Conn, connect
 from jobstream.settings import Settings
 from jobstream.store import STAGES
 
@@ -73,7 +73,7 @@ class VerifyContext:
     read-only query helper over one connection."""
 
     settings: Settings
-    conn: psycopg.Connection
+    conn: Conn
     tenant: str | None = None
     grace_s: float = 300.0
     outbox_age_s: float = 60.0

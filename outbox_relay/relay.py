@@ -5,19 +5,21 @@ Protocol (design.md, "Outbox relay"):
 1. One active relay: a session-level ``pg_try_advisory_lock`` held on a dedicated connection;
    other relays stand by and take over when that connection dies. This keeps per-key order
    without partitioning the outbox (the simpler of the two designs the doc allows).
-2. Read unpublished rows in id order (``published_at IS NULL``). Rows are marked, never skipped
-   past a high-water mark, so a transaction that commits late with a lower id is still
-   published on the next poll (no loss under sequence gaps).
-3. Produce the batch with an idempotent producer (``enable.idempotence=true``, ``acks=all``),
-   ``flush()``, and check every delivery report.
-4. Only then mark the delivered rows published. A crash between 3 and 4 re-publishes the batch:
-   that is the at-least-once side, absorbed by idempotent consumers. A row that can never be
+2. Read unpublished rows in id order (``published_at IS NULL``): after the last id fetched
+   while a backlog drains, otherwise from a floor that trails by ``relay_late_commit_s``
+   (and from id 0 every ``relay_full_rescan_s``), so a transaction that commits late with a
+   lower id is still published (see "the pipelined loop" below and docs/design-notes.md).
+3. Produce with an idempotent producer (``enable.idempotence=true``, ``acks=all``) without
+   waiting: up to ``relay_max_in_flight`` rows are in flight while the next batch is fetched.
+4. Mark a row published only after its delivery report said so, in the reports' order, on the
+   marker thread's own connection. A crash between 3 and 4 re-publishes those rows: that is
+   the at-least-once side, absorbed by idempotent consumers. A row that can never be
    delivered (over ``message.max.bytes`` = ``kafka_message_max_bytes``, refused by its topic,
-   unserialisable) is isolated: a row the broker refused is re-sent alone (its batch-mates may
-   be the reason), and if it fails alone it is parked in the ``dead_letter`` table with the
-   broker's reason, its outbox row deleted and its job failed (``undeliverable_event``) in one
-   transaction; the relay goes on. Rows that failed with a retriable error stay unpublished
-   and are re-sent after a backoff (0.5 s doubling to ``relay_backoff_cap_s``).
+   unserialisable) is isolated: a row the broker refused is re-sent alone (its batch-mates
+   may be the reason), and if it fails alone it is parked in the ``dead_letter`` table with
+   the broker's reason, its outbox row deleted and its job failed (``undeliverable_event``)
+   in one transaction; the relay goes on. Rows that failed with a retriable error stay
+   unpublished and are re-sent after a backoff (0.5 s doubling to ``relay_backoff_cap_s``).
 5. Wake on ``LISTEN outbox_v1`` (a NOTIFY is sent by a trigger at commit); fall back to polling
    every ``relay_poll_interval_s``. Every ``gc_interval_s`` the active relay runs retention
    (:mod:`jobstream.retention`): published outbox rows, idempotent-consumer rows and
@@ -28,11 +30,14 @@ Protocol (design.md, "Outbox relay"):
 from __future__ import annotations
 
 import logging
+import queue
 import signal
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -41,7 +46,7 @@ from psycopg.rows import tuple_row
 
 from jobstream import faults, health
 from jobstream.db import QUERIES as Q
-from jobstream.db import connect
+from jobstream.db import Conn, connect
 from jobstream.kafka import producer_config
 from jobstream.settings import Settings
 
@@ -93,9 +98,61 @@ class RelayStats:
     """Counters of one relay process (rows published, batches, failed deliveries)."""
 
     published: int = 0
-    batches: int = 0
+    batches: int = 0  # mark statements
     failed: int = 0
+    parked: int = 0
     started_at: float = field(default_factory=time.monotonic)
+
+
+class Marker(threading.Thread):
+    """Marks delivered rows published on a connection of its own, so the relay's loop does
+    not wait for Postgres to update them. Rows submitted and not yet marked are in
+    :attr:`marking` (the loop must not fetch them again); :meth:`drain` waits for the
+    queue; an error (Postgres gone) is kept and re-raised by :meth:`check`."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(name="relay-marker", daemon=True)
+        self._conn = connect(url, autocommit=True)
+        self._conn.execute(Q["relay_session_async_commit"])
+        self._queue: queue.Queue[list[int] | None] = queue.Queue()
+        self.marking: set[int] = set()
+        self.error: Exception | None = None
+
+    def submit(self, ids: list[int]) -> None:
+        """Queue a mark of ``ids``; raises the marker's earlier error, if any."""
+        self.check()
+        self.marking.update(ids)
+        self._queue.put(ids)
+
+    def check(self) -> None:
+        """Re-raise the error that stopped the marker (its rows were not marked)."""
+        if self.error is not None:
+            raise self.error
+
+    def run(self) -> None:
+        while (ids := self._queue.get()) is not None:
+            try:
+                if self.error is None:
+                    self._conn.execute(Q["outbox_mark_published"], (ids,))
+            except Exception as exc:  # re-raised in the relay's loop
+                self.error = exc
+            finally:
+                self.marking.difference_update(ids)
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def drain(self) -> None:
+        """Wait until every submitted mark ran (or failed: see :meth:`check`)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Finish the queued marks, stop the thread, close its connection."""
+        self._queue.put(None)
+        self.join(60)
+        try:
+            self._conn.close()
+        except Exception as exc:  # a connection already broken
+            log.debug("marker connection close: %s", exc)
 
 
 class OutboxRelay:
@@ -112,14 +169,26 @@ class OutboxRelay:
         self._producer = Producer(producer_config(settings, **{"client.id": "jobstream-relay",
                                                                "partitioner": "murmur2_random"}))
         self._ctx: Any = None  # StageContext of the sweeper, made on first use
+        # The pipeline (see pump): rows in flight by id, acknowledged (to mark), failed.
+        self._pending: dict[int, tuple[Any, ...]] = {}
+        self._acked: list[tuple[Any, ...]] = []
+        self._failed: list[tuple[tuple[Any, ...], KafkaError]] = []
+        self._refused: list[tuple[tuple[Any, ...], str]] = []
+        self._marker: Marker | None = None  # in run(): marks on a connection of its own
+        self._hwm = 0  # the highest id fetched
+        self._draining = False  # the last fetch was a full batch: continue after _hwm
+        self._floor = 0  # rows below it were published (or parked) when it was recorded
+        self._floors: deque[tuple[float, int]] = deque()  # (monotonic time, floor) per rescan
+        self._last_rescan = self._last_full = time.monotonic()
 
     def stop(self, *_: Any) -> None:
         """Ask the relay loop to finish its current batch and return."""
         self._stop.set()
 
-    def publish_batch(self, conn: psycopg.Connection) -> int:
-        """Publish one batch of unpublished rows; returns how many rows it settled (delivered
-        and marked, or parked).
+    def publish_batch(self, conn: Conn) -> int:
+        """Publish one batch of unpublished rows and wait for all of it; returns how many rows
+        it settled (delivered and marked, or parked). The synchronous form of :meth:`pump`
+        (one fetch, then :meth:`settle` with ``wait=True``), for tools and tests.
 
         Rows the broker acknowledged are marked published. A row that can never be delivered
         (too large for the producer or the topic, refused by the topic, unserialisable) is
@@ -127,76 +196,111 @@ class OutboxRelay:
         marking and parking when some rows failed with a retriable error: they stay
         unpublished and the caller backs off before the next try.
         """
-        with conn.transaction(), conn.cursor(row_factory=tuple_row) as cur:
-            # Plain tuples: building a dict per row cost a third of the fetch.
-            rows = cur.execute(Q["outbox_fetch"], (self.settings.relay_batch_size,)).fetchall()
-        if not rows:
+        before = self.stats.published + self.stats.parked
+        self._draining = False  # a look from the floor: this call stands alone
+        self.pump(conn)
+        self.settle(conn, wait=True)
+        return self.stats.published + self.stats.parked - before
+
+    # ---------------------------------------------------------------- the pipelined loop
+    #
+    # Rows are produced as soon as they are fetched and marked once their delivery reports
+    # arrive, in the reports' order; the next batch is fetched while earlier ones are still on
+    # their way to the broker (at most relay_max_in_flight rows). Per-key order: rows are
+    # produced in id order and the idempotent producer keeps a partition's order across
+    # retries. Rows in flight must not be fetched again, and a transaction that committed late
+    # with a lower id must still be found, so a fetch reads from a *floor*, not from a
+    # high-water mark alone:
+    # * draining a backlog (the previous fetch was full), a fetch continues after the highest
+    #   id fetched (``_hwm``): an index range scan that neither re-reads rows in flight nor walks
+    #   past the index entries of rows marked since the last vacuum;
+    # * otherwise (caught up, or every relay_rescan_s while draining) it re-reads from the
+    #   floor and skips, in Python, the rows in flight. The floor is the lowest id that was
+    #   unpublished (or not yet visible) relay_late_commit_s ago: a transaction that had its
+    #   id then has committed or rolled back by now. A transaction open longer than that is
+    #   still found: every relay_full_rescan_s the relay reads from id 0.
+
+    def pump(self, conn: Conn, *, fetch: bool = True) -> int:
+        """One step of the pipelined relay: serve delivery reports, settle failures (raises
+        :class:`DeliveryFailed` like :meth:`publish_batch`), fetch and produce the next
+        batch when fewer than ``relay_max_in_flight`` rows are in flight, mark the rows
+        acknowledged so far. ``fetch=False``: only serve reports and mark. Returns the number
+        of rows fetched (``relay_batch_size``: more are probably waiting)."""
+        poll = self._producer.poll
+        poll(0)
+        if self._marker is not None:
+            self._marker.check()
+        if self._failed or self._refused:
+            self.settle(conn, wait=True)  # raises DeliveryFailed for retriable failures
+        # Marked before the fetch: a row acknowledged but not marked would be fetched again.
+        self.mark(conn)
+        if not fetch:
             return 0
-        reports, refused = self._send(rows)
-        retriable: list[int] = []
-        lone: list[int] = []  # refused by the broker: maybe only because of its batch-mates
-        for i in range(len(rows)):
-            if i in refused:
-                continue
-            if i not in reports:
-                retriable.append(i)
-            elif reports[i] is not None:
-                (lone if _permanent(reports[i]) else retriable).append(i)
-        delivered = [i for i in range(len(rows)) if i not in refused and i not in lone
-                     and i not in retriable]
-        for i in lone:  # isolate: one row alone in its produce request
-            alone, why = self._send([rows[i]])
-            if 0 in why:
-                refused[i] = why[0]
-            elif alone.get(0, _MISSING) is None:
-                delivered.append(i)
-            elif 0 in alone and _permanent(alone[0]):
-                refused[i] = _describe_err(alone[0])
-            else:
-                retriable.append(i)
-        if retriable or refused:
-            self.stats.failed += len(retriable) + len(refused)
-        faults.point("relay_after_produce_before_mark")
-        for event_type in sorted({rows[i][5] for i in delivered}):
-            faults.point(f"relay_after_produce_before_mark:{event_type}")
-        ids = [rows[i][0] for i in sorted(delivered)]
-        if ids:
-            with conn.transaction():
-                # A mark lost in a Postgres crash only re-publishes its rows (the at-least-once
-                # side, absorbed by the consumers), so its commit need not wait for the WAL
-                # flush.
-                conn.execute(Q["relay_mark_async_commit"])
-                conn.execute(Q["outbox_mark_published"], (ids,))
-        for i in sorted(refused):
-            self.park(conn, rows[i], refused[i])
-        self.stats.published += len(ids)
-        self.stats.batches += 1
-        if retriable:
-            errs = [reports.get(i) for i in retriable[:3]]
-            raise DeliveryFailed(f"{len(retriable)} rows not delivered (retriable), "
-                                 f"{len(ids)} delivered, {len(refused)} parked: {errs}")
-        return len(ids) + len(refused)
+        if len(self._pending) >= self.settings.relay_max_in_flight:
+            poll(0.05)  # the window is full: wait for reports
+            return self.settings.relay_batch_size
+        rows = self._fetch(conn)
+        if rows:
+            self._produce(rows)
+            poll(0)
+        return len(rows)
 
-    def _send(self, rows: list[tuple[Any, ...]]
-              ) -> tuple[dict[int, KafkaError | None], dict[int, str]]:
-        """Produce ``rows`` and wait for their delivery reports (at most 60 s). Returns the
-        reports by row index (``None``: acknowledged; absent: no report in time) and the rows
-        the client refused at once (too large for ``message.max.bytes``, unserialisable),
-        with the reason."""
-        reports: dict[int, KafkaError | None] = {}
-        refused: dict[int, str] = {}
+    def _fetch(self, conn: Conn) -> list[tuple[Any, ...]]:
+        """The next rows to produce, in id order (see the comment above :meth:`pump`)."""
+        n, st = self.settings.relay_batch_size, self.settings
+        now = time.monotonic()
+        if self._draining and now - self._last_rescan < st.relay_rescan_s:
+            with conn.cursor(row_factory=tuple_row) as cur:
+                rows = cur.execute(Q["outbox_fetch_after"], (self._hwm, n)).fetchall()
+        else:
+            floors = self._floors
+            while floors and now - floors[0][0] >= st.relay_late_commit_s:
+                self._floor = floors.popleft()[1]
+            floor = self._floor
+            if now - self._last_full >= st.relay_full_rescan_s:
+                floor, self._last_full = 0, now  # a transaction open longer than the window
+            pending = self._pending
+            # Copied before the query: a row whose mark commits meanwhile is in the copy (and
+            # skipped) or already published in the query's snapshot.
+            marking = set(self._marker.marking) if self._marker is not None else set()
+            hwm = self._hwm
+            # One statement: late rows between the floor and the last id (those in flight or
+            # being marked skipped), then new rows after the last id.
+            skip = list(pending.keys() | marking)
+            with conn.cursor(row_factory=tuple_row) as cur:
+                rows = cur.execute(Q["outbox_fetch_late_and_new"],
+                                   {"floor": floor, "hwm": hwm, "skip": skip,
+                                    "n": n}).fetchall()[:n]
+            # Below ``low`` every row was published, or not yet visible: committed by a
+            # transaction that was still open now (it has its id already).
+            late = rows[0][0] if rows and rows[0][0] <= hwm else hwm + 1
+            low = min(late, min(skip) if skip else hwm + 1) - 1
+            floors.append((now, low))
+            self._last_rescan = now
+        self._draining = len(rows) >= n
+        if rows:
+            self._hwm = max(self._hwm, max(r[0] for r in rows))
+        return rows
 
-        def report_to(i: int) -> Any:
-            def on_delivery(err: KafkaError | None, _msg: Any) -> None:
-                reports[i] = err
-            return on_delivery
+    def _forget_floor(self) -> None:
+        """Read from id 0 next time (a row was given back as undelivered: it may lie below
+        the floor)."""
+        self._floor, self._draining = 0, False
+        self._floors.clear()
 
-        produce, poll = self._producer.produce, self._producer.poll
-        for i, (_id, topic, key, payload, headers, _type) in enumerate(rows):
+    def _produce(self, rows: list[tuple[Any, ...]]) -> None:
+        """Hand ``rows`` to the producer; each one's delivery report lands in ``_on_delivery``.
+        A row the client refuses at once (over ``message.max.bytes``, unserialisable) goes to
+        ``_refused`` with the reason."""
+        produce, poll, pending = self._producer.produce, self._producer.poll, self._pending
+        on_delivery = self._on_delivery
+        for row in rows:
+            _id, topic, key, payload, headers, _type = row
             while True:
                 try:  # a dict of str headers is UTF-8 encoded by the client, in C
                     produce(topic, value=payload, key=key, headers=headers,
-                            on_delivery=report_to(i))
+                            on_delivery=partial(on_delivery, row))
+                    pending[_id] = row
                     break
                 except BufferError:
                     poll(0.1)  # local queue full: serve callbacks, then retry
@@ -205,16 +309,109 @@ class OutboxRelay:
                             isinstance(v, str) for v in headers.values()):
                         headers = {k: str(v) for k, v in headers.items()}
                         continue
-                    refused[i] = f"cannot serialise the row: {type(exc).__name__}: {exc}"
+                    self._refused.append(
+                        (row, f"cannot serialise the row: {type(exc).__name__}: {exc}"))
                     break
                 except (KafkaException, ValueError) as exc:  # e.g. MSG_SIZE_TOO_LARGE
-                    refused[i] = _describe_exc(exc)
+                    self._refused.append((row, _describe_exc(exc)))
                     break
-            poll(0)
+
+    def _on_delivery(self, row: tuple[Any, ...], err: KafkaError | None, _msg: Any) -> None:
+        """Delivery report of ``row`` (called from ``poll``/``flush`` in this thread)."""
+        if self._pending.pop(row[0], None) is None:
+            return  # given up on earlier (no report in time); it will be fetched again
+        if err is None:
+            self._acked.append(row)
+        else:
+            self._failed.append((row, err))
+
+    def mark(self, conn: Conn) -> int:
+        """Mark the rows acknowledged so far published (one statement, in the order of their
+        delivery reports); returns how many. In :meth:`run` the statement goes to the marker
+        thread (its own connection), so the next batch is fetched and produced while
+        Postgres updates this one; otherwise it runs on ``conn``. The relay's sessions
+        commit without waiting for the WAL flush: a mark lost in a Postgres crash only
+        re-publishes its rows (the at-least-once side, absorbed by the consumers)."""
+        acked = self._acked
+        if not acked:
+            return 0
+        faults.point("relay_after_produce_before_mark")
+        for event_type in sorted({r[5] for r in acked}):
+            faults.point(f"relay_after_produce_before_mark:{event_type}")
+        self._acked = []
+        ids = [r[0] for r in acked]
+        if self._marker is None:
+            conn.execute(Q["outbox_mark_published"], (ids,))
+        else:
+            self._marker.submit(ids)
+        self.stats.published += len(acked)
+        self.stats.batches += 1
+        return len(acked)
+
+    def settle(self, conn: Conn, *, wait: bool) -> None:
+        """Mark what was acknowledged and deal with what failed; with ``wait``, first wait
+        (at most 60 s) for the report of every row in flight, and give up on the rest
+        (retriable: fetched again). A row the broker refused is re-sent alone (its
+        batch-mates may be the reason); one that fails alone, or that the client refused, is
+        parked. Raises :class:`DeliveryFailed` when some rows failed with a retriable error
+        (they stay unpublished; the caller backs off)."""
+        if wait:
+            self._producer.flush(60)
+        retriable: list[tuple[tuple[Any, ...], KafkaError | None]] = (
+            [(row, None) for row in self._pending.values()] if wait else [])
+        if wait:
+            self._pending.clear()
+        retriable += [(row, err) for row, err in self._failed if not _permanent(err)]
+        lone = [row for row, err in self._failed if _permanent(err)]
+        refused, self._refused, self._failed = self._refused, [], []
+        for row in lone:  # isolate: one row alone in its produce request
+            alone, refusal = self._send([row])
+            if 0 in refusal:
+                refused.append((row, refusal[0]))
+            elif alone.get(0, _MISSING) is None:
+                self._acked.append(row)
+            elif 0 in alone and _permanent(alone[0]):
+                refused.append((row, _describe_err(alone[0])))
+            else:
+                retriable.append((row, alone.get(0)))
+        if retriable or refused:
+            self.stats.failed += len(retriable) + len(refused)
+            self._forget_floor()
+        self.mark(conn)
+        for row, why in refused:
+            self.park(conn, row, why)
+            self.stats.parked += 1
+        if retriable:
+            errs = [err for _, err in retriable[:3]]
+            raise DeliveryFailed(f"{len(retriable)} rows not delivered (retriable), "
+                                 f"{len(refused)} parked: {errs}")
+
+    def _send(self, rows: list[tuple[Any, ...]]
+              ) -> tuple[dict[int, KafkaError | None], dict[int, str]]:
+        """Produce ``rows`` and wait for their delivery reports (at most 60 s), outside the
+        pipeline (a refused row re-sent alone). Returns the reports by row index (``None``:
+        acknowledged; absent: no report in time) and the rows the client refused at once
+        (too large for ``message.max.bytes``, unserialisable), with the reason."""
+        reports: dict[int, KafkaError | None] = {}
+        refused: dict[int, str] = {}
+
+        def report_to(i: int) -> Any:
+            def on_delivery(err: KafkaError | None, _msg: Any) -> None:
+                reports[i] = err
+            return on_delivery
+
+        for i, (_id, topic, key, payload, headers, _type) in enumerate(rows):
+            if isinstance(headers, dict):
+                headers = {k: v if isinstance(v, str) else str(v) for k, v in headers.items()}
+            try:
+                self._producer.produce(topic, value=payload, key=key, headers=headers,
+                                       on_delivery=report_to(i))
+            except (KafkaException, ValueError, TypeError, BufferError) as exc:
+                refused[i] = _describe_exc(exc)
         self._producer.flush(60)
         return reports, refused
 
-    def park(self, conn: psycopg.Connection, row: tuple[Any, ...], why: str) -> None:
+    def park(self, conn: Conn, row: tuple[Any, ...], why: str) -> None:
         """Move an outbox row that can never be delivered to the ``dead_letter`` table (ONE
         transaction): keep its bytes, headers and the broker's reason, delete the outbox row,
         and fail its job (``undeliverable_event``, with a ``job.failed`` event) when the row
@@ -224,6 +421,7 @@ class OutboxRelay:
         headers = headers if isinstance(headers, dict) else {}
         job_id = _uuid(headers.get("job_id"))
         with conn.transaction():
+            conn.execute(Q["relay_park_sync_commit"])  # the session's marks are asynchronous
             gone = conn.execute(Q["outbox_park"], (outbox_id,)).fetchone()
             if gone is None:
                 return  # another relay settled it meanwhile
@@ -238,7 +436,7 @@ class OutboxRelay:
         log.error("parked outbox row %d (%s to %s) as dead_letter id=%d: %s%s", outbox_id,
                   event_type, topic, dl_id, why, f"; job {job_id} failed" if failed else "")
 
-    def _fail_job(self, conn: psycopg.Connection, job_id: uuid.UUID | None, error: str) -> bool:
+    def _fail_job(self, conn: Conn, job_id: uuid.UUID | None, error: str) -> bool:
         """Fail an open job (its open stages too) with ``undeliverable_event`` and write its
         ``job.failed`` to the outbox, in the caller's transaction. False when there is no
         such job or it is already terminal."""
@@ -265,7 +463,7 @@ class OutboxRelay:
             self.settings.topic(topic_for("job.failed", None)), ev))
         return True
 
-    def _acquire_lock(self, conn: psycopg.Connection) -> bool:
+    def _acquire_lock(self, conn: Conn) -> bool:
         standing_by = False
         while not self._stop.is_set():
             lock = HOUSEKEEPING_LOCK_ID if self.housekeeping_only else RELAY_LOCK_ID
@@ -311,10 +509,97 @@ class OutboxRelay:
         if any(report.deleted.values()):
             log.info("retention: deleted %s", report.deleted)
 
+    def _relay_loop(self, conn: Conn) -> None:
+        """Publish (or only keep house) while the lock is held and no stop was asked."""
+        retry_s = 0.5
+        last_gc = last_sweep = 0.0
+        batch = self.settings.relay_batch_size
+        fetch = True
+        while not self._stop.is_set():
+            try:
+                published = self.stats.published
+                n = 0 if self.housekeeping_only else self.pump(conn, fetch=fetch)
+                health.ok()
+                if self.stats.published > published:  # deliveries succeed (again)
+                    retry_s = 0.5
+            except DeliveryFailed as exc:
+                log.warning("delivery failed; re-sending the undelivered rows in "
+                            "%.1fs: %s", retry_s, exc)
+                self._stop.wait(retry_s)
+                retry_s = min(retry_s * 2, self.settings.relay_backoff_cap_s)
+                continue
+            except psycopg.OperationalError:
+                raise  # reconnect in run()
+            except Exception:  # a bug must not stop the outbox for everyone
+                log.exception("relay batch failed; retrying in %.1fs", retry_s)
+                self._give_up_in_flight()
+                if self._marker is not None and self._marker.error is not None:
+                    self._marker.close()  # its unmarked rows are fetched again
+                    self._marker = Marker(self.settings.database_url)
+                    self._marker.start()
+                self._stop.wait(retry_s)
+                retry_s = min(retry_s * 2, self.settings.relay_backoff_cap_s)
+                continue
+            if time.monotonic() - last_sweep > self.settings.sweep_grace_s / 2:
+                self._sweep()
+                last_sweep = time.monotonic()
+            if time.monotonic() - last_gc > self.settings.gc_interval_s:
+                self._gc()
+                last_gc = time.monotonic()
+            if n < batch:
+                # Caught up: sleep until a NOTIFY (a commit) or the polling interval; with
+                # rows in flight only briefly, to mark them once their reports are in.
+                busy = bool(self._pending or self._acked)
+                woke = False
+                for _ in conn.notifies(timeout=self.settings.relay_in_flight_wait_s if busy
+                                       else self.settings.relay_poll_interval_s,
+                                       stop_after=1):
+                    woke = True
+                # Woken only to mark: no fetch (a commit's NOTIFY, or the polling
+                # interval with nothing in flight, fetches).
+                fetch = woke or not busy
+            else:
+                fetch = True
+
+    def _reset_pipeline(self) -> None:
+        """Forget the rows in flight (a new session: they are fetched again)."""
+        self._pending.clear()
+        self._acked, self._failed, self._refused = [], [], []
+        self._hwm = 0
+        self._forget_floor()
+
+    def _give_up_in_flight(self) -> None:
+        """After an unexpected error: let every row in flight be fetched again."""
+        self._producer.flush(10)
+        self._pending.clear()
+        self._failed, self._refused = [], []
+        self._forget_floor()
+
+    def _wind_down(self, conn: Conn) -> None:
+        """On the way out (stop or error): wait briefly for the rows in flight and mark those
+        delivered, so a clean stop re-publishes nothing. Best effort: what is not marked is
+        published again by the next active relay."""
+        marker = self._marker
+        if marker is None:
+            return
+        try:
+            if self._pending:
+                self._producer.flush(10)
+            self.mark(conn)
+        except Exception as exc:  # Postgres gone: the next relay re-publishes
+            log.info("could not mark the last delivered rows (%s); they will be published "
+                     "again", exc)
+        finally:
+            self._marker = None
+            marker.close()  # runs the marks queued so far
+        if marker.error is not None:
+            log.info("could not mark the last delivered rows (%s); they will be published "
+                     "again", marker.error)
+        self._reset_pipeline()
+
     def run(self) -> RelayStats:
         """Relay until stopped. Reconnects to Postgres with backoff; never marks a row
         published before its delivery report."""
-        last_gc = last_sweep = 0.0
         backoff = 0.5
         while not self._stop.is_set():
             try:
@@ -326,37 +611,16 @@ class OutboxRelay:
                              "publishing" if self.housekeeping_only
                              else "relay active (lock held); publishing outbox")
                     backoff = 0.5
-                    retry_s = 0.5
-                    while not self._stop.is_set():
-                        try:
-                            n = 0 if self.housekeeping_only else self.publish_batch(conn)
-                            health.ok()
-                            retry_s = 0.5
-                        except DeliveryFailed as exc:
-                            log.warning("delivery failed; re-sending the undelivered rows in "
-                                        "%.1fs: %s", retry_s, exc)
-                            self._stop.wait(retry_s)
-                            retry_s = min(retry_s * 2, self.settings.relay_backoff_cap_s)
-                            continue
-                        except psycopg.OperationalError:
-                            raise  # reconnect below
-                        except Exception:  # a bug must not stop the outbox for everyone
-                            log.exception("relay batch failed; retrying in %.1fs", retry_s)
-                            self._stop.wait(retry_s)
-                            retry_s = min(retry_s * 2, self.settings.relay_backoff_cap_s)
-                            continue
-                        if time.monotonic() - last_sweep > self.settings.sweep_grace_s / 2:
-                            self._sweep()
-                            last_sweep = time.monotonic()
-                        if time.monotonic() - last_gc > self.settings.gc_interval_s:
-                            self._gc()
-                            last_gc = time.monotonic()
-                        if n < self.settings.relay_batch_size:
-                            self._producer.poll(0)  # serve client logs/callbacks while idle
-                            # Caught up: sleep until a NOTIFY or the polling interval.
-                            for _ in conn.notifies(timeout=self.settings.relay_poll_interval_s,
-                                                   stop_after=1):
-                                pass
+                    # The marks commit without waiting for the WAL flush (see mark()).
+                    conn.execute(Q["relay_session_async_commit"])
+                    self._reset_pipeline()
+                    if not self.housekeeping_only:
+                        self._marker = Marker(self.settings.database_url)
+                        self._marker.start()
+                    try:
+                        self._relay_loop(conn)
+                    finally:
+                        self._wind_down(conn)
             except psycopg.OperationalError as exc:
                 health.failed(exc)  # one line per outage (jobstream.health), not per retry
                 log.debug("postgres unavailable (%s); reconnecting in %.1fs", exc, backoff)

@@ -14,7 +14,7 @@ import os
 import re
 import uuid
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 from urllib.parse import unquote, urlparse
 
 from pydantic import (
@@ -28,7 +28,7 @@ from pydantic import (
 
 from schemas.errors import PoisonMessage
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Final = 1
 
 Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="sha256, lowercase hex")]
 #: No control characters (Unicode category Cc: U+0000-U+001F, U+007F-U+009F) where an

@@ -6,7 +6,7 @@ is how a test adds a stage): the topics ``jobstream topics`` creates and their `
 ``.dlq`` twins (``jobstream.kafka``), the checkpoint chain the store writes
 (``jobstream.store.STAGES``), the faust agents of ``jobstream worker`` (``streams.app``), the
 CLI's stage choices (``worker --stages``, ``redrive --from``), the chaos invariants
-(``jobstream.chaos``), the AsyncAPI document (``schemas.asyncapi``), the demo's progress and
+(``jobstream.drills.chaos``), the AsyncAPI document (``schemas.asyncapi``), the demo's progress and
 the ``stage`` label of the metrics.
 
 A stage's name is the same everywhere: the faust agent, the checkpoint row
@@ -140,7 +140,7 @@ class Pipeline:
     def topic_for(self, event_type: str, lane: str | None) -> str:
         """Logical topic of an event of ``event_type`` for a job of ``lane``."""
         for s in self.stages:
-            if s.consumes == event_type and lane in s.lanes:
+            if s.consumes == event_type and lane is not None and lane in s.lanes:
                 return s.lanes[lane]
         return event_type
 

@@ -61,7 +61,7 @@ def _items(headers: Any) -> list[tuple[str, bytes | None]]:
     return [(k, v if v is None or isinstance(v, bytes) else str(v).encode()) for k, v in items]
 
 
-def _header(event: faust.EventT, name: str) -> str | None:
+def _header(event: faust.EventT[Any], name: str) -> str | None:
     for k, v in _items(event.message.headers):
         if k == name:
             return None if v is None else v.decode("utf-8", "replace")
@@ -99,12 +99,12 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
     topic = app.topic(s.topic(source), **kw)
     retry_topic = app.topic(s.topic(source + ".retry"), **kw)
     # Log context + trace span of each message (intake is where a trace may start).
-    scope = {"stage": PIPELINE.consumer_of(consumes).name,
-             "group": app.conf.id, "start_trace": consumes == PIPELINE.stages[0].consumes}
+    scope: dict[str, Any] = {"stage": PIPELINE.consumer_of(consumes).name, "group": app.conf.id,
+                             "start_trace": consumes == PIPELINE.stages[0].consumes}
 
     sink = _sink(ctx.settings, app.conf.id)
 
-    async def dead_letter(event: faust.EventT, code: str, reason: str,
+    async def dead_letter(event: faust.EventT[Any], code: str, reason: str,
                           job_id: Any = None) -> None:
         """Make the dead letter durable (``<topic>.dlq``, else the dead_letter table); only
         then may faust ack the message. Waits (with backoff) while neither takes it."""
@@ -128,11 +128,12 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, IN_PLACE_CAP_S * 6)
 
-    async def to_retry(event: faust.EventT, exc: Exception, round_no: int) -> None:
+    async def to_retry(event: faust.EventT[Any], exc: Exception, round_no: int) -> None:
         delay = retry_delay_s(round_no, s.retry_base_s, s.retry_cap_s,
                               getattr(exc, "retry_after_s", None))
         msg = event.message
-        headers = {k: v for k, v in _items(msg.headers) if not k.startswith("retry_")}
+        headers: dict[str, bytes] = {k: v for k, v in _items(msg.headers)
+                                     if not k.startswith("retry_") and v is not None}
         headers |= {
             "retry_count": str(round_no).encode(),
             "retry_not_before_ms": str(int((time.time() + delay) * 1000)).encode(),
@@ -145,7 +146,7 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
         fut = await retry_topic.send(key=msg.key, value=msg.value, headers=headers)
         await fut
 
-    async def process(event: faust.EventT, round_no: int) -> None:
+    async def process(event: faust.EventT[Any], round_no: int) -> None:
         """Run one message: round 0 from the main topic, round N>=1 from the retry topic."""
         if event.message.key is None:
             await dead_letter(event, "missing_key", "message has no key (jobstream events are "
@@ -200,7 +201,7 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
 
     tracker = getattr(app, "completion_tracker", None) or offsets.install(app)
 
-    async def guarded(event: faust.EventT, round_no: int) -> None:
+    async def guarded(event: faust.EventT[Any], round_no: int) -> None:
         """The one guard around a consumed message: whatever escapes decoding, handling or
         routing is dead-lettered (``unhandled``); the agent never crashes."""
         try:
@@ -214,7 +215,7 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
                           describe(exc))
             await dead_letter(event, UNHANDLED, describe(exc))
 
-    async def run_one(event: faust.EventT, epoch: int) -> None:
+    async def run_one(event: faust.EventT[Any], epoch: int) -> None:
         msg = event.message
         try:
             await guarded(event, 0)
@@ -227,7 +228,7 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
         faults.point("stage_after_commit_before_offset")
         tracker.done(msg.tp, msg.offset, epoch)
 
-    def current(event: faust.EventT) -> bool:
+    def current(event: faust.EventT[Any]) -> bool:
         """False for an event taken before a rebalance that happened while it waited for a
         slot (faust's own generation check, repeated): the partition's next owner, maybe
         this worker again, re-reads it from the committed offset. Registering it now would
@@ -235,7 +236,7 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
         return (app.flow_control.is_active()
                 and event.message.generation_id == app.consumer_generation_id)
 
-    async def agent(stream: faust.StreamT) -> None:
+    async def agent(stream: faust.StreamT[Any]) -> None:
         # One faust actor takes the events in partition order and runs up to `concurrency`
         # of them as tasks; the offset committed per partition is the lowest one not done
         # (streams/offsets.py), so a crash or a rebalance never skips an unfinished message.
@@ -256,7 +257,7 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
             for task in running:  # stopping: their offsets stay uncommitted (redelivered)
                 task.cancel()
 
-    async def retry_agent(stream: faust.StreamT) -> None:
+    async def retry_agent(stream: faust.StreamT[Any]) -> None:
         async for event in stream.events():
             msg = event.message
             epoch = tracker.received(msg.tp, msg.offset)

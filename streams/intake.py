@@ -8,8 +8,9 @@ from __future__ import annotations
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from jobstream import idempotency
 from jobstream.errors import PermanentError, PoisonMessage
-from jobstream.keys import dedup_key, request_hash, sha256_hex
+from jobstream.keys import dedup_key, sha256_hex
 from jobstream.llm.profiles import PIPELINES, get_profile, get_prompt
 from jobstream.store import IntakeResult
 from jobstream.textproc import extractor_for
@@ -72,9 +73,7 @@ def handle_intake(ctx: StageContext, ev: DocumentUploaded, *, conn: Any = None,
     dk = dedup_key(tenant_id=ev.tenant_id, document_hash=actual, pipeline=p.pipeline,
                    prompt_version=p.prompt_version, model_profile=p.model_profile,
                    extractor=extractor)
-    rh = request_hash(document_hash=actual, pipeline=p.pipeline, prompt_version=p.prompt_version,
-                      model_profile=p.model_profile, lane=p.lane, filename=p.document.filename,
-                      content_type=p.document.content_type)
+    rh = idempotency.document_request_hash(p, document_hash=actual)
     job = {
         "job_id": uuid.uuid4(), "tenant_id": ev.tenant_id, "idempotency_key": ev.idempotency_key,
         "request_hash": rh, "dedup_key": dk, "request_id": ev.request_id,

@@ -190,7 +190,8 @@ def _one_attempt(ctx: StageContext, claim: Claim, client: ProviderClient, profil
                  prompt: str, chunk: dict[str, Any], attempt_id: int, abort: Any, policy: str,
                  round_attempt: int, retry_after: float | None, last: Exception | None,
                  hb: Heartbeat | None = None
-                 ) -> tuple[Any, str, float, Exception | None, float | None]:
+                 ) -> tuple[tuple[dict[str, Any], int] | None, str, float, Exception | None,
+                            float | None]:
     """One provider request and its record. Returns ``(answer or None, limiter outcome,
     wait before the next attempt (s), last error, retry_after)``; raises what must end the
     stage run (permanent, cancelled, needs reconciliation)."""

@@ -143,24 +143,26 @@ class TrackedConsumerMixin:
     tracker: CompletionTracker
 
     def _new_offset(self, tp: Any) -> int | None:
-        acked = self._acked.get(tp)  # type: ignore[attr-defined]
+        acked = self._acked.get(tp)  # type: ignore[attr-defined]  # faust Consumer's, mixed in
         if acked:  # faust's ack bookkeeping is not used: keep it from growing
             acked.clear()
-            self._acked_index[tp].clear()  # type: ignore[attr-defined]
+            self._acked_index[tp].clear()  # type: ignore[attr-defined]  # faust Consumer's
         return self.tracker.committable(tp)
 
     async def seek_to_committed(self) -> dict[TopicPartition, int | None]:
         """faust's "seek back to the committed offsets", for every partition
         (:func:`rewind_to_committed`), run in the consumer's thread."""
-        thread = self._thread  # type: ignore[attr-defined]
-        return await thread.call_thread(rewind_to_committed, thread._ensure_consumer())
+        thread = self._thread  # type: ignore[attr-defined]  # faust Consumer's, mixed in
+        rewound: dict[TopicPartition, int | None] = await thread.call_thread(
+            rewind_to_committed, thread._ensure_consumer())
+        return rewound
 
     async def _commit_offsets(self, offsets: Any, start_new_transaction: bool = True) -> bool:
         """faust's commit, except that offsets the broker did not take are not remembered as
         committed (faust would never send them again)."""
-        known = self._committed_offset  # type: ignore[attr-defined]
+        known = self._committed_offset  # type: ignore[attr-defined]  # faust Consumer's
         before = {tp: known.get(tp) for tp in offsets}
-        did_commit: bool = await super()._commit_offsets(  # type: ignore[misc]
+        did_commit: bool = await super()._commit_offsets(  # type: ignore[misc]  # faust's
             offsets, start_new_transaction=start_new_transaction)
         if not did_commit:
             for tp, offset in offsets.items():
@@ -169,12 +171,12 @@ class TrackedConsumerMixin:
         return did_commit
 
     async def on_partitions_revoked(self, revoked: set[Any]) -> None:
-        await super().on_partitions_revoked(revoked)  # type: ignore[misc]
+        await super().on_partitions_revoked(revoked)  # type: ignore[misc]  # the faust base, mixed in
         self.tracker.reset(revoked)
 
     async def on_partitions_assigned(self, assigned: set[Any], generation_id: int = 0) -> None:
         self.tracker.reset(assigned)
-        await super().on_partitions_assigned(assigned, generation_id)  # type: ignore[misc]
+        await super().on_partitions_assigned(assigned, generation_id)  # type: ignore[misc]  # faust's
 
 
 def install(app: faust.App) -> CompletionTracker:
@@ -183,7 +185,7 @@ def install(app: faust.App) -> CompletionTracker:
     tracker = CompletionTracker()
     transport = app.transport
     base = transport.Consumer
-    transport.Consumer = type("TrackedConsumer", (TrackedConsumerMixin, base),
-                              {"tracker": tracker})
-    app.completion_tracker = tracker  # type: ignore[attr-defined]
+    tracked: type = type("TrackedConsumer", (TrackedConsumerMixin, base), {"tracker": tracker})
+    transport.Consumer = tracked  # type: ignore[misc]  # a ClassVar; only this app's transport
+    app.completion_tracker = tracker  # type: ignore[attr-defined]  # our attribute on faust.App
     return tracker

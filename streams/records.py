@@ -38,8 +38,10 @@ class _LenientBuffer(bytearray):
         return _LenientBytes(got) if isinstance(item, slice) else got
 
 
-class _LenientBatch(default_records._DefaultRecordBatchPy):
+class _LenientBatch(default_records._DefaultRecordBatchPy):  # type: ignore[misc]  # aiokafka: untyped
     """aiokafka's pure-Python batch reader, decoding header names leniently."""
+
+    _buffer: bytearray  # set by the base class (aiokafka's batch bytes)
 
     def __iter__(self) -> Any:
         it = super().__iter__()  # decompresses into self._buffer
@@ -60,7 +62,7 @@ class _TolerantBatch:
         return getattr(self._fast, name)
 
     def validate_crc(self) -> bool:
-        return self._fast.validate_crc()
+        return bool(self._fast.validate_crc())
 
     def _records(self) -> Iterator[Any]:
         last = None
@@ -84,7 +86,7 @@ class _TolerantBatch:
         return next(self._iter)
 
 
-class TolerantMemoryRecords(_MemoryRecordsPy):
+class TolerantMemoryRecords(_MemoryRecordsPy):  # type: ignore[misc]  # aiokafka: untyped
     """aiokafka's record-set reader whose v2 batches are :class:`_TolerantBatch`."""
 
     def next_batch(self, _min_slice: int = _MemoryRecordsPy.MIN_SLICE,
@@ -99,4 +101,4 @@ class TolerantMemoryRecords(_MemoryRecordsPy):
 def install() -> None:
     """Make aiokafka's fetcher (faust's consumer) read batches with
     :class:`TolerantMemoryRecords`. Idempotent; call before the worker starts consuming."""
-    fetcher.MemoryRecords = TolerantMemoryRecords  # type: ignore[attr-defined]
+    fetcher.MemoryRecords = TolerantMemoryRecords

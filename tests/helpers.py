@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,69 +12,26 @@ import psycopg
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from psycopg.rows import dict_row
 
+from jobstream.drills.procs import Proc, child_env
+from jobstream.drills.procs import ProcessRunner as _ProcessRunner
 from jobstream.settings import Settings
 
 
-@dataclass
-class Proc:
-    """One started process and its log file."""
-
-    name: str
-    popen: subprocess.Popen[bytes]
-    log: Path
-
-    def log_text(self) -> str:
-        """Everything the process wrote so far."""
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-
-class ProcessRunner:
-    """Runs ``python -m jobstream.cli <args>`` with the test's settings as environment."""
+class ProcessRunner(_ProcessRunner):
+    """Runs ``python -m jobstream.cli <args>`` with the test's settings as environment (the
+    harness' one runner, :class:`jobstream.drills.procs.ProcessRunner`)."""
 
     def __init__(self, settings: Settings, logdir: Path) -> None:
+        s = settings
+        super().__init__(child_env(
+            JOBSTREAM_DATABASE_URL=s.database_url,
+            JOBSTREAM_KAFKA_BOOTSTRAP_SERVERS=s.kafka_bootstrap_servers,
+            JOBSTREAM_TOPIC_PREFIX=s.topic_prefix,
+            JOBSTREAM_CONSUMER_SESSION_TIMEOUT_MS=str(s.consumer_session_timeout_ms),
+            JOBSTREAM_RELAY_POLL_INTERVAL_S=str(s.relay_poll_interval_s),
+            JOBSTREAM_LEASE_S=str(s.lease_s),
+            JOBSTREAM_PROVIDER_BACKOFF_BASE_S=str(s.provider_backoff_base_s)), logdir)
         self.settings = settings
-        self.logdir = logdir
-        logdir.mkdir(parents=True, exist_ok=True)
-        self.procs: list[Proc] = []
-
-    def env(self, **extra: str) -> dict[str, str]:
-        """The environment that carries this test's settings."""
-        s = self.settings
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith("JOBSTREAM_") and k not in ("DATABASE_URL",
-                                                               "KAFKA_BOOTSTRAP_SERVERS")}
-        env.update({
-            "JOBSTREAM_DATABASE_URL": s.database_url,
-            "JOBSTREAM_KAFKA_BOOTSTRAP_SERVERS": s.kafka_bootstrap_servers,
-            "JOBSTREAM_TOPIC_PREFIX": s.topic_prefix,
-            "JOBSTREAM_CONSUMER_SESSION_TIMEOUT_MS": str(s.consumer_session_timeout_ms),
-            "JOBSTREAM_RELAY_POLL_INTERVAL_S": str(s.relay_poll_interval_s),
-            "JOBSTREAM_LEASE_S": str(s.lease_s),
-            "JOBSTREAM_PROVIDER_BACKOFF_BASE_S": str(s.provider_backoff_base_s),
-        })
-        env.update(extra)
-        return env
-
-    def start(self, *args: str, name: str | None = None, **env: str) -> Proc:
-        """Start a jobstream subcommand; ``env`` adds variables (e.g. JOBSTREAM_FAULT)."""
-        name = name or args[0]
-        log = self.logdir / f"{name}-{len(self.procs)}.log"
-        with log.open("wb") as fh:  # the child keeps its own descriptor
-            p = subprocess.Popen([sys.executable, "-m", "jobstream.cli", *args],
-                                 env=self.env(**env), stdout=fh, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
-        proc = Proc(name, p, log)
-        self.procs.append(proc)
-        return proc
-
-    def run(self, *args: str, timeout_s: float = 120.0,
-            **env: str) -> subprocess.CompletedProcess[str]:
-        """Run a one-off jobstream subcommand to completion; stdout and stderr are captured
-        apart (so ``--json`` output can be parsed). Raises ``TimeoutExpired`` after
-        ``timeout_s``."""
-        return subprocess.run([sys.executable, "-m", "jobstream.cli", *args],
-                              env=self.env(**env), capture_output=True, text=True,
-                              timeout=timeout_s)
 
     def start_api(self, tokens: dict[str, str], **env: str) -> tuple[str, Proc]:
         """Start ``jobstream api`` on a free loopback port with bearer ``tokens`` (token ->
@@ -106,34 +58,11 @@ class ProcessRunner:
         return {"relay": self.start("relay", **env), "worker": self.start("worker", **env),
                 "downstream": self.start("consume-ready", **env)}
 
-    def kill9(self, proc: Proc) -> None:
-        """SIGKILL a process (like kill -9) and reap it."""
-        proc.popen.send_signal(signal.SIGKILL)
-        proc.popen.wait(10)
-
-    def stop_all(self) -> None:
-        """SIGTERM everything still running, SIGKILL after 15 s."""
-        for p in self.procs:
-            if p.popen.poll() is None:
-                p.popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for p in self.procs:
-            try:
-                p.popen.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.popen.kill()
-                p.popen.wait(5)
-
-    def logs(self) -> str:
-        """The tail of every process log (for assertion messages)."""
-        return "\n".join(f"--- {p.name} (rc={p.popen.poll()})\n{p.log_text()[-3000:]}"
-                         for p in self.procs)
-
 
 def query(url: str, q: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
     """Run one read-only test query (test-only SQL: assertions over the store's tables)."""
     with psycopg.connect(url, row_factory=dict_row, autocommit=True) as conn:
-        return conn.execute(q, params).fetchall()  # type: ignore[arg-type]
+        return conn.execute(q, params).fetchall()  # type: ignore[arg-type]  # q: a str, not a LiteralString
 
 
 def wait_pipeline_drained(settings: Settings, procs: ProcessRunner, timeout_s: float = 60.0

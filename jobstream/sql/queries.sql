@@ -417,16 +417,35 @@ SELECT trace_id FROM job WHERE job_id = %s;
 -- A job created before traces were recorded gets one on its first event written since.
 UPDATE job SET trace_id = %s WHERE job_id = %s AND trace_id IS NULL;
 
--- name: outbox_fetch
--- Unpublished rows in id order. Rows are marked, never skipped by a high-water mark, so a
--- transaction that committed late (a lower id seen after a higher one) is published next poll.
+-- name: outbox_fetch_after
+-- Unpublished rows in id order after a floor (outbox_relay/relay.py, "the pipelined loop"):
+-- the relay's last id while it drains a backlog (an index range scan that skips the entries
+-- of rows marked since the last vacuum), else a floor a few seconds old, so that a
+-- transaction that committed late with a lower id is still published on the next poll.
 SELECT id, topic, kafka_key, payload, headers, event_type FROM outbox
- WHERE published_at IS NULL ORDER BY id LIMIT %s;
+ WHERE published_at IS NULL AND id > %s ORDER BY id LIMIT %s;
 
--- name: relay_mark_async_commit
--- The mark's transaction commits without waiting for the WAL flush: losing it in a crash
--- only re-publishes rows already delivered (at-least-once; consumers are idempotent).
-SET LOCAL synchronous_commit TO off;
+-- name: outbox_fetch_late_and_new
+-- The relay's look from its floor (outbox_relay/relay.py, "the pipelined loop"): rows of
+-- transactions that committed late, between the floor and its last id, except those it has
+-- in flight or is marking (%(skip)s; `<> ALL` is hashed), then rows after its last id; in
+-- id order within each part, late rows first.
+(SELECT id, topic, kafka_key, payload, headers, event_type FROM outbox
+  WHERE published_at IS NULL AND id > %(floor)s AND id <= %(hwm)s
+    AND id <> ALL(%(skip)s::bigint[])
+  ORDER BY id LIMIT %(n)s)
+UNION ALL
+(SELECT id, topic, kafka_key, payload, headers, event_type FROM outbox
+  WHERE published_at IS NULL AND id > %(hwm)s ORDER BY id LIMIT %(n)s);
+
+-- name: relay_session_async_commit
+-- The relay's marks commit without waiting for the WAL flush: losing one in a crash only
+-- re-publishes rows already delivered (at-least-once; consumers are idempotent).
+SET synchronous_commit TO off;
+
+-- name: relay_park_sync_commit
+-- Parking a row (dead_letter + failing its job) commits durably, as every stage write does.
+SET LOCAL synchronous_commit TO on;
 
 -- name: outbox_mark_published
 UPDATE outbox SET published_at = now() WHERE id = ANY(%s);

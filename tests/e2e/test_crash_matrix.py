@@ -1,6 +1,7 @@
 """The crash matrix: SIGKILL at every fault point, restart, and the effects stay exactly-once.
 
-Each case runs ``jobstream.chaos.run_point`` (the logic behind ``jobstream chaos``) on the test's
+Each case runs ``jobstream.drills.chaos.run_point`` (the logic behind ``jobstream chaos``) on
+the test's
 own database and topic prefix: five distinct documents of several chunks each go through the
 fake provider (real HTTP on loopback); the process the point belongs to kills itself there, is
 restarted without the fault, and the invariants are checked from Postgres, the topics and the
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from jobstream import chaos
+from jobstream.drills import chaos
 from jobstream.settings import Settings
 
 pytestmark = pytest.mark.e2e

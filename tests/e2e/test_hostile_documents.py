@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from jobstream.llm.fake_provider import FakeProvider
+from jobstream.drills.fake_provider import FakeProvider
 from jobstream.producer import produce_raw
 from jobstream.settings import Settings
 from schemas.events import DocumentRef, DocumentUploaded, DocumentUploadedPayload, encode_event

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from jobstream import chaos, verify
-from jobstream.llm.fake_provider import FakeProvider
+from jobstream import verify
+from jobstream.drills import chaos
+from jobstream.drills.fake_provider import FakeProvider
 from jobstream.producer import submit, uploaded_event
 from jobstream.settings import Settings
 from tests.helpers import ProcessRunner, query, wait_for

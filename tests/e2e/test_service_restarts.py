@@ -33,8 +33,8 @@ from psycopg import sql
 
 from jobstream import verify
 from jobstream.db import migrate
+from jobstream.drills.fake_provider import FakeProvider
 from jobstream.kafka import ensure_topics
-from jobstream.llm.fake_provider import FakeProvider
 from jobstream.producer import submit, uploaded_event
 from jobstream.services import SCRIPT, kafka_answers, postgres_answers
 from jobstream.settings import Settings

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from jobstream import chaos
-from jobstream.llm.fake_provider import FakeProvider
+from jobstream.drills import chaos
+from jobstream.drills.fake_provider import FakeProvider
 from jobstream.producer import submit, uploaded_event
 from jobstream.settings import Settings
 from tests.helpers import Proc, ProcessRunner, query, read_topic, wait_for

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from jobstream.llm.fake_provider import FakeProvider
+from jobstream.drills.fake_provider import FakeProvider
 from jobstream.settings import Settings
 from tests.helpers import ProcessRunner, query, wait_for
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from jobstream.drills.fake_provider import FakeProvider
 from jobstream.limiter import SharedLimiter
-from jobstream.llm.fake_provider import FakeProvider
 from jobstream.producer import submit, uploaded_event
 from jobstream.settings import Settings
 from jobstream.store import Store

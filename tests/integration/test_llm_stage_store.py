@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from jobstream.db import connect
+from jobstream.drills.fake_provider import FakeProvider
 from jobstream.errors import StaleRun
-from jobstream.llm.fake_provider import FakeProvider
 from jobstream.producer import uploaded_event
 from jobstream.settings import Settings
 from jobstream.store import Claim, Store

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from jobstream.llm.fake_provider import FakeProvider
+from jobstream.drills.fake_provider import FakeProvider
 from jobstream.producer import submit, uploaded_event
 from jobstream.settings import Settings
 from tests.helpers import ProcessRunner, query, read_topic, wait_for

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from jobstream.db import connect
+from jobstream.drills.fake_provider import FakeProvider
 from jobstream.errors import StaleRun
-from jobstream.llm.fake_provider import FakeProvider
 from jobstream.producer import uploaded_event
 from jobstream.settings import Settings
 from jobstream.store import Claim, LeaseHeld, Skip, Store

@@ -5,9 +5,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from jobstream.drills.fake_provider import FakeProvider
 from jobstream.errors import OutcomeUnknown, PermanentError, RetryableError
 from jobstream.llm.client import ProviderClient
-from jobstream.llm.fake_provider import FakeProvider
 from jobstream.llm.profiles import get_profile
 
 

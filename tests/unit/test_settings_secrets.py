@@ -10,7 +10,7 @@ import sys
 from pydantic import SecretStr
 
 from bench.common import subprocess_env
-from jobstream.chaos import settings_env
+from jobstream.drills.chaos import settings_env
 from jobstream.settings import Settings
 
 DSN = "postgresql://jobstream:hunter2@db.example:5432/jobstream"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jobstream.demo import make_pdf
+from jobstream.drills.demo import make_pdf
 from jobstream.errors import PermanentError
 from jobstream.llm.client import ProviderClient, backoff_s, parse_retry_after
 from jobstream.llm.local import analyse

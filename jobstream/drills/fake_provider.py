@@ -49,7 +49,7 @@ class FakeProvider:
     def base_url(self) -> str:
         """The OpenAI-compatible root, e.g. ``http://127.0.0.1:41234/v1``."""
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}/v1"
+        return f"http://{host!s}:{port}/v1"
 
     def set_script(self, script: dict[str, Any]) -> None:
         """Replace the script; the call counters go on counting (``PUT /_control/script``: a

@@ -9,12 +9,8 @@ prints one row per document and checks that every ``job.ready`` was applied exac
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 from fpdf import FPDF
@@ -24,6 +20,7 @@ from rich.table import Table
 
 from jobstream.db import QUERIES as Q
 from jobstream.db import connect, migrate
+from jobstream.drills.procs import Proc, ProcessRunner, child_env
 from jobstream.kafka import ensure_topics
 from jobstream.producer import submit, uploaded_event
 from jobstream.services import kafka_answers, postgres_answers, run_script
@@ -59,43 +56,12 @@ def documents(workdir: Path) -> list[Path]:
     return texts + pdfs
 
 
-@dataclass
-class Proc:
-    """A child process of the demo and where its log goes."""
-
-    name: str
-    popen: subprocess.Popen[bytes]
-    log: Path
-
-
-def start(name: str, args: list[str], env: dict[str, str], logdir: Path) -> Proc:
-    """Start ``python -m jobstream.cli <args>`` with its output in ``logdir/<name>.log``."""
-    log = logdir / f"{name}.log"
-    with log.open("wb") as fh:  # the child keeps its own descriptor
-        p = subprocess.Popen([sys.executable, "-m", "jobstream.cli", *args], env=env,
-                             stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-    return Proc(name, p, log)
-
-
-def stop(procs: list[Proc]) -> None:
-    """SIGTERM every child, then SIGKILL what is left after 20 s."""
-    for p in procs:
-        if p.popen.poll() is None:
-            p.popen.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 20
-    for p in procs:
-        try:
-            p.popen.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.popen.kill()
-
-
 def run(settings: Settings, *, tenant: str | None, timeout_s: float, services: bool,
         console: Console | None = None) -> int:
     """Run the demo; returns 0 only when every job succeeded and every result was applied
     exactly once downstream."""
     console = console or Console(width=max(110, Console().width))
-    root = Path(os.environ.get("JOBSTREAM_HOME", Path(__file__).resolve().parents[1] / ".local"))
+    root = Path(os.environ.get("JOBSTREAM_HOME", Path(__file__).resolve().parents[2] / ".local"))
     if services and not (postgres_answers(settings.database_url)
                          and kafka_answers(settings.kafka_bootstrap_servers)):
         console.print("[bold]Starting local Kafka + Postgres[/] (scripts/services.sh up)…")
@@ -115,10 +81,11 @@ def run(settings: Settings, *, tenant: str | None, timeout_s: float, services: b
     console.print(f"tenant [bold]{tenant}[/]: {len(docs)} documents "
                   f"({sum(d.suffix == '.pdf' for d in docs)} PDF); logs in {run_dir}")
 
-    env = {**os.environ, "JOBSTREAM_DATABASE_URL": settings.database_url,
-           "JOBSTREAM_KAFKA_BOOTSTRAP_SERVERS": settings.kafka_bootstrap_servers,
-           "JOBSTREAM_TOPIC_PREFIX": settings.topic_prefix}
-    procs = []
+    # The user's own JOBSTREAM_* settings pass on to the children, with these three on top.
+    runner = ProcessRunner(child_env(
+        keep_jobstream=True, JOBSTREAM_DATABASE_URL=settings.database_url,
+        JOBSTREAM_KAFKA_BOOTSTRAP_SERVERS=settings.kafka_bootstrap_servers,
+        JOBSTREAM_TOPIC_PREFIX=settings.topic_prefix), run_dir)
     if settings.relay == "debezium":
         # The Debezium relay publishes the outbox (no `jobstream relay`): register it.
         from jobstream.connect import ConnectError, deploy
@@ -129,16 +96,16 @@ def run(settings: Settings, *, tenant: str | None, timeout_s: float, services: b
             return 2
         console.print(f"Debezium outbox connector running on {settings.connect_url}")
     else:
-        procs.append(start("relay", ["relay"], env, run_dir))
-    procs += [start("worker", ["worker"], env, run_dir),
-              start("downstream", ["consume-ready"], env, run_dir)]
+        runner.start("relay")
+    runner.start("worker")
+    runner.start("consume-ready", name="downstream")
     try:
         events = [uploaded_event(d, tenant_id=tenant, idempotency_key=f"{tenant}:{d.name}",
                                  settings=settings) for d in docs]
         submit(settings, events)
-        ok = _watch(settings, tenant, len(docs), timeout_s, procs, console)
+        ok = _watch(settings, tenant, len(docs), timeout_s, runner.procs, console)
     finally:
-        stop(procs)
+        runner.stop_all(20)
     return _report(settings, tenant, docs, console) if ok else 1
 
 

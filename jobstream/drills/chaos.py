@@ -48,9 +48,9 @@ from psycopg import sql
 
 from jobstream.db import QUERIES as Q
 from jobstream.db import connect, migrate
-from jobstream.demo import Proc, start, stop
+from jobstream.drills.fake_provider import FakeProvider
+from jobstream.drills.procs import Proc, ProcessRunner, child_env
 from jobstream.kafka import delete_topics, ensure_topics, group_lag, read_to_end
-from jobstream.llm.fake_provider import FakeProvider
 from jobstream.producer import submit, uploaded_event
 from jobstream.settings import Settings
 from jobstream.store import TERMINAL
@@ -126,11 +126,8 @@ def chaos_settings(base: Settings, provider_url: str, *, lease_s: float = 5.0,
 def settings_env(settings: Settings, **extra: str) -> dict[str, str]:
     """The environment that gives a child process exactly ``settings`` (every field as
     ``JOBSTREAM_<FIELD>``), without whatever JOBSTREAM_* variables this process inherited."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("JOBSTREAM_") and k not in ("DATABASE_URL",
-                                                           "KAFKA_BOOTSTRAP_SERVERS")}
-    # to_env reveals the secrets (the database URL) for the child; model_dump would mask them.
-    env.update({k: v for k, v in settings.to_env().items() if k != "JOBSTREAM_FAULT"})
+    env = child_env(settings)  # secrets (the database URL) revealed, for the child only
+    env.pop("JOBSTREAM_FAULT", None)
     env.update(extra)
     return env
 
@@ -386,32 +383,14 @@ def check_invariants(settings: Settings, *, tenant: str, keys: list[str],
 
 # ------------------------------------------------------------------------------ one point
 
-class _Runner:
+class _Runner(ProcessRunner):
     """The run's child processes (``python -m jobstream.cli …``), their logs and deaths."""
 
-    def __init__(self, env: dict[str, str], logdir: Path) -> None:
-        self.env = env
-        self.logdir = logdir
-        self.procs: list[Proc] = []
-        logdir.mkdir(parents=True, exist_ok=True)
-
-    def start(self, command: str, *, fault: str | None = None) -> Proc:
+    def launch(self, command: str, *, fault: str | None = None) -> Proc:
         """Start ``jobstream <command>``, with ``fault`` armed in it if given."""
-        env = {**self.env, **({"JOBSTREAM_FAULT": fault} if fault else {})}
         # The downstream logs each outcome (applied/duplicate) at debug level.
         args = ["--log-level", "debug", command] if command == "consume-ready" else [command]
-        p = start(f"{command}-{len(self.procs)}", args, env, self.logdir)
-        self.procs.append(p)
-        return p
-
-    def dead(self, *, besides: Proc | None = None) -> list[Proc]:
-        """The processes that exited (other than ``besides``)."""
-        return [p for p in self.procs if p is not besides and p.popen.poll() is not None]
-
-    def tail(self) -> str:
-        """The end of every process log, for a failure report."""
-        return "\n".join(f"--- {p.name} rc={p.popen.poll()}\n"
-                         + p.log.read_text(errors="replace")[-2000:] for p in self.procs)
+        return self.start(*args, name=command, **({"JOBSTREAM_FAULT": fault} if fault else {}))
 
 
 def _wait(pred: Callable[[], Any], timeout_s: float, every_s: float = 0.5) -> Any:
@@ -482,7 +461,7 @@ def run_point(base: Settings, fault: str, *, jobs: int, logdir: Path,
         try:
             armed = None
             for command in ("relay", "worker", "consume-ready"):
-                p = runner.start(command, fault=fault if command == owner else None)
+                p = runner.launch(command, fault=fault if command == owner else None)
                 armed = p if command == owner else armed
             assert armed is not None
             docs = make_documents(logdir / "docs", run_id, jobs)
@@ -514,7 +493,7 @@ def run_point(base: Settings, fault: str, *, jobs: int, logdir: Path,
                     return result
                 result.paused = True
                 if owner == "worker":  # a second worker takes over the frozen one's work
-                    runner.start("worker")
+                    runner.launch("worker")
                 wait = pause_s if pause_s is not None else (
                     settings.lease_s + settings.sweep_grace_s
                     + settings.consumer_session_timeout_ms / 1000 + 3)
@@ -527,7 +506,7 @@ def run_point(base: Settings, fault: str, *, jobs: int, logdir: Path,
                     result.violations.append(
                         f"{owner} exited with {result.killed_rc}, not SIGKILL")
                     return result
-                runner.start(owner)
+                runner.launch(owner)
                 expect_dead = [armed]
             if not _wait(lambda: runner.dead() != expect_dead
                          or quiescent(settings, tenant, jobs), timeout_s, every_s=1.0):
@@ -546,7 +525,7 @@ def run_point(base: Settings, fault: str, *, jobs: int, logdir: Path,
                 if mode == "pause":  # the auditor of a running system must agree
                     audit = subprocess.run(
                         [sys.executable, "-m", "jobstream.cli", "verify", "--tenant", tenant,
-                         "--grace", "1"], env=runner.env, capture_output=True, text=True,
+                         "--grace", "1"], env=runner.env(), capture_output=True, text=True,
                         timeout=120)
                     if audit.returncode != 0:
                         result.violations.append(f"jobstream verify exit {audit.returncode}: "
@@ -565,10 +544,10 @@ def run_point(base: Settings, fault: str, *, jobs: int, logdir: Path,
                 if p.popen.poll() is None:
                     with contextlib.suppress(OSError):
                         os.kill(p.popen.pid, signal.SIGCONT)
-            stop(runner.procs)
+            runner.stop_all(20)
             result.seconds = time.monotonic() - t0
             if result.violations:
-                result.log_tails = runner.tail()
+                result.log_tails = runner.logs(2000)
     return result
 
 

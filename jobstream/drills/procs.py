@@ -1,0 +1,160 @@
+"""The one child-process runner of the harness: ``python -m jobstream.cli <args>`` children
+with their settings in the environment and their output in a log file each, stopped with
+SIGTERM then SIGKILL.
+
+Tests (``tests/helpers.py``), the crash matrix (:mod:`jobstream.drills.chaos`), the demo
+(:mod:`jobstream.drills.demo`) and the benchmarks (``bench/common.py``) all start their processes
+here: one place decides how a child gets its settings (``JOBSTREAM_*`` variables, never the
+parent's stray ones), where its output goes and how it is reaped.
+
+Example
+-------
+>>> from pathlib import Path
+>>> runner = ProcessRunner(child_env(), Path("/tmp/logs"))  # doctest: +SKIP
+>>> relay = runner.start("relay")                            # doctest: +SKIP
+>>> runner.stop_all()                                        # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from jobstream.settings import Settings
+
+#: Variables a child must not inherit from the parent: its settings come from
+#: :func:`child_env` only.
+_STRAY = ("DATABASE_URL", "KAFKA_BOOTSTRAP_SERVERS")
+
+
+def child_env(settings: Settings | None = None, *, keep_jobstream: bool = False,
+              **extra: str) -> dict[str, str]:
+    """The environment of a child process.
+
+    Parameters
+    ----------
+    settings
+        Carried whole (every field as ``JOBSTREAM_<FIELD>``, secrets revealed for the child:
+        :meth:`Settings.to_env`). ``None``: only what the parent's environment has.
+    keep_jobstream
+        Keep the parent's ``JOBSTREAM_*``, ``DATABASE_URL`` and ``KAFKA_BOOTSTRAP_SERVERS``
+        (the demo passes a user's own settings on); by default they are dropped, so the child
+        gets exactly ``settings``.
+    extra
+        Variables added last (they win), e.g. ``JOBSTREAM_FAULT``.
+    """
+    env = {k: v for k, v in os.environ.items()
+           if keep_jobstream or not (k.startswith("JOBSTREAM_") or k in _STRAY)}
+    if settings is not None:
+        env.update(settings.to_env())
+    env.update(extra)
+    return env
+
+
+def spawn(args: Sequence[str], env: Mapping[str, str], log: Path, *,
+          cwd: Path | None = None) -> subprocess.Popen[bytes]:
+    """Start ``python -m jobstream.cli <args>`` (this interpreter, so this checkout's code
+    when run from its root) in its own session (a signal to the parent's group does not
+    reach it), stdout and stderr written to ``log`` (truncated first)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as fh:  # the child keeps its own descriptor
+        return subprocess.Popen([sys.executable, "-m", "jobstream.cli", *args], env=dict(env),
+                                cwd=cwd, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def stop(popens: Iterable[subprocess.Popen[bytes]], timeout_s: float = 20.0) -> None:
+    """SIGTERM every process still running, then SIGKILL (and reap) what is left after
+    ``timeout_s`` seconds in total."""
+    popens = list(popens)
+    for p in popens:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for p in popens:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+
+
+@dataclass
+class Proc:
+    """One started child process and its log file."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def log_text(self) -> str:
+        """Everything the process wrote so far (undecodable bytes replaced)."""
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+class ProcessRunner:
+    """Starts ``jobstream`` subcommands as children with one base environment, and stops
+    them all at the end.
+
+    Parameters
+    ----------
+    env
+        The children's environment (:func:`child_env`); ``start(..., **env)`` adds to it.
+    logdir
+        Where each child's log goes: ``<name>-<n>.log`` (``n`` counts this runner's starts).
+    cwd
+        The children's working directory (default: the parent's).
+    """
+
+    def __init__(self, env: Mapping[str, str], logdir: Path, *, cwd: Path | None = None) -> None:
+        self.base_env = dict(env)
+        self.logdir = logdir
+        self.cwd = cwd
+        logdir.mkdir(parents=True, exist_ok=True)
+        self.procs: list[Proc] = []
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The base environment plus ``extra``."""
+        return {**self.base_env, **extra}
+
+    def start(self, *args: str, name: str | None = None, **env: str) -> Proc:
+        """Start ``jobstream <args>``; ``env`` adds variables (e.g. ``JOBSTREAM_FAULT``).
+        ``name`` (default: the first of ``args``) names its log."""
+        name = name or args[0]
+        log = self.logdir / f"{name}-{len(self.procs)}.log"
+        proc = Proc(name, spawn(args, self.env(**env), log, cwd=self.cwd), log)
+        self.procs.append(proc)
+        return proc
+
+    def run(self, *args: str, timeout_s: float = 120.0,
+            **env: str) -> subprocess.CompletedProcess[str]:
+        """Run a one-off ``jobstream <args>`` to completion; stdout and stderr captured apart
+        (so ``--json`` output can be parsed). Raises ``subprocess.TimeoutExpired`` after
+        ``timeout_s`` seconds."""
+        return subprocess.run([sys.executable, "-m", "jobstream.cli", *args],
+                              env=self.env(**env), cwd=self.cwd, capture_output=True,
+                              text=True, timeout=timeout_s)
+
+    def kill9(self, proc: Proc) -> None:
+        """SIGKILL a process (like ``kill -9``) and reap it (10 s at most)."""
+        proc.popen.send_signal(signal.SIGKILL)
+        proc.popen.wait(10)
+
+    def dead(self, *, besides: Proc | None = None) -> list[Proc]:
+        """The processes that exited (other than ``besides``)."""
+        return [p for p in self.procs if p is not besides and p.popen.poll() is not None]
+
+    def stop_all(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM everything still running, SIGKILL what is left after ``timeout_s``."""
+        stop([p.popen for p in self.procs], timeout_s)
+
+    def logs(self, tail_chars: int = 3000) -> str:
+        """The last ``tail_chars`` characters of every process log (for failure messages)."""
+        return "\n".join(f"--- {p.name} (rc={p.popen.poll()})\n{p.log_text()[-tail_chars:]}"
+                         for p in self.procs)

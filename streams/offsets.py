@@ -131,8 +131,12 @@ async def rewind_to_committed(consumer: AIOKafkaConsumer) -> dict[TopicPartition
             from_start.append(tp)
         else:
             consumer.seek(tp, offset)
+    # An explicit offset, not seek_to_beginning(): that leaves the position unknown until the
+    # fetcher resolves it, and faust's livelock check reads it meanwhile (AssertionError,
+    # consumer crashed).
     if from_start:
-        await consumer.seek_to_beginning(*from_start)
+        for tp, offset in (await consumer.beginning_offsets(from_start)).items():
+            consumer.seek(tp, offset)
     return committed
 
 

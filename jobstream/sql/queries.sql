@@ -557,6 +557,17 @@ SELECT r.tenant_id, r.dedup_key, r.job_id, r.amount_usd
        WITH ORDINALITY AS r(tenant_id, dedup_key, job_id, amount_usd, ord)
  ORDER BY r.ord;
 
+-- name: apply_analysis_copy
+-- apply_analysis for a batch: binary COPY, one row per event (the batch handler's fast path).
+COPY downstream.document_analysis
+     (tenant_id, dedup_key, job_id, filename, title, summary, keywords, fields)
+FROM STDIN (FORMAT BINARY);
+
+-- name: apply_charge_copy
+-- apply_charge for a batch: binary COPY, one row per event.
+COPY downstream.ledger_charge (tenant_id, dedup_key, job_id, amount_usd)
+FROM STDIN (FORMAT BINARY);
+
 -- name: stage_provider_cost
 SELECT coalesce(sum(cost_usd), 0)::float8 AS cost_usd, count(*) AS calls
   FROM provider_attempt WHERE job_id = %s AND stage = %s;

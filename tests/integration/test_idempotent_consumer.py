@@ -4,6 +4,7 @@ SIGKILL between the batch's commit and its offsets."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -82,6 +83,54 @@ def test_a_batch_applies_each_event_once_and_dead_letters_poison(settings: Setti
     again = build(settings)
     again.run(idle_exit_s=8)
     assert (again.stats.applied, again.stats.duplicates) == (0, 0)
+
+
+def test_copy_batches_with_duplicates_and_poison_mid_batch_apply_each_event_once(
+        settings: Settings, caplog: pytest.LogCaptureFixture) -> None:
+    """The ready applier's batch path (binary COPY batch handler, decode-ahead thread): copies
+    inside one batch and across batches (in one run and in a later run of the same group), an
+    undecodable message and an event Postgres refuses (its charge overflows numeric(14,8)) in
+    the middle of a batch. The refused one makes the COPY fail: the batch is rolled back and
+    split, and every neighbour is still applied exactly once."""
+    events = [_ready("acme", f"e{i}") for i in range(30)]
+    refused = _ready("acme", "refused").model_copy(update={"payload": events[0].payload.model_copy(
+        update={"filename": "refused", "charge_usd": 1e7})})
+    first: list[JobReady | bytes] = []
+    for i, ev in enumerate(events):
+        first.append(ev)
+        if i % 3 == 2:
+            first.append(events[i - 1])  # a copy right after it: the same batch
+        if i % 7 == 6:
+            first.append(events[i - 6])  # an older copy: likely an earlier batch
+        if i == 14:
+            first += [refused, b"not json"]
+    _produce(settings, first)
+    consumer = build(settings)
+    consumer.max_batch = 16
+    sizes: list[int] = []
+    batch = consumer.process_batch
+    consumer.process_batch = lambda msgs: (sizes.append(len(msgs)), batch(msgs))[1]  # type: ignore[method-assign]
+    with caplog.at_level(logging.INFO, logger="consumers.idempotent"):
+        _run_until(consumer, len(first))
+    assert max(sizes) > 8, f"no batch large enough to be split was formed: {sizes}"
+    assert "applying it as two batches" in caplog.text, (sizes, caplog.text)
+    expected = {f"e{i}": 1 for i in range(30)}
+    assert _applied(settings, "acme") == expected
+    dups = len(first) - 30 - 2
+    assert (consumer.stats.applied, consumer.stats.duplicates,
+            consumer.stats.dead_lettered) == (30, dups, 2)
+    dlq = read_topic(settings, settings.topic("job.ready.dlq"))
+    assert sorted(dict(m.headers())["dlq_reason_code"] for m in dlq) == [
+        b"invalid_data", b"not_json"], [m.headers() for m in dlq]
+    # Across runs: re-deliveries of applied events and one new event, same group.
+    late = _ready("acme", "late")
+    _produce(settings, [events[3], late, events[20], events[3]])
+    again = build(settings)
+    _run_until(again, 4)
+    assert (again.stats.applied, again.stats.duplicates) == (1, 3)
+    assert _applied(settings, "acme") == {**expected, "late": 1}
+    processed = query(settings.database_url, "SELECT count(*) AS n FROM processed_event")
+    assert processed[0]["n"] == 31
 
 
 @pytest.mark.parametrize("batched_handler", [True, False])

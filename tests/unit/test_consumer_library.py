@@ -64,6 +64,24 @@ def test_the_event_class_chooses_topic_and_route() -> None:
     c._consumer.close()
 
 
+def test_a_batch_handler_comes_after_the_per_event_handler() -> None:
+    c = IdempotentConsumer(ConsumerSettings(bootstrap_servers="127.0.0.1:1"))
+    with pytest.raises(ValueError, match="per-event handler"):
+        c.on_batch(JobReady)
+
+    @c.on(JobReady)
+    def apply(tx: object, event: JobReady) -> None: ...
+
+    @c.on_batch(JobReady)
+    def apply_many(tx: object, events: list[JobReady]) -> None: ...
+
+    assert c._batch_handlers == {"job.ready": apply_many}
+    assert c._handlers == {"job.ready": apply}
+    with pytest.raises(ValueError, match="already has a batch handler"):
+        c.on_batch(JobReady)
+    c._consumer.close()
+
+
 def test_settings_come_from_the_consumer_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("JOBSTREAM_CONSUMER_GROUP", "billing")
     monkeypatch.setenv("JOBSTREAM_CONSUMER_DB_SCHEMA", "billing")

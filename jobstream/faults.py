@@ -8,7 +8,8 @@ which is how tests let a lease expire under a run that is still alive.
 
 Points: ``llm_chunk_answered_before_save`` (a chunk's answer arrived, its output is not saved
 yet), ``llm_after_provider_before_checkpoint`` (every chunk answered and saved, the ``llm``
-checkpoint not written yet), ``stage_after_commit_before_offset``,
+checkpoint not written yet), ``stage_inside_one_transaction`` (a one-transaction stage's work
+done, its completion not written, the job row locked), ``stage_after_commit_before_offset``,
 ``relay_after_produce_before_mark`` (also ``relay_after_produce_before_mark:<event_type>``, hit
 once per event type in the batch), ``consumer_after_apply_before_offset``.
 """
@@ -23,6 +24,7 @@ from collections import Counter
 POINTS = (
     "llm_chunk_answered_before_save",
     "llm_after_provider_before_checkpoint",
+    "stage_inside_one_transaction",
     "stage_after_commit_before_offset",
     "relay_after_produce_before_mark",
     "consumer_after_apply_before_offset",

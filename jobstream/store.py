@@ -25,7 +25,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 from pydantic import BaseModel
 
-from jobstream import health, idempotency, tracing
+from jobstream import faults, health, idempotency, tracing
 from jobstream.db import QUERIES as Q
 from jobstream.db import Conn
 from jobstream.errors import PoisonMessage, RetryableError, StaleRun
@@ -508,6 +508,7 @@ class Store:
                     done = work(got)
                 except Exception as exc:  # noqa: BLE001 - handed back, the claim commits
                     return got, exc
+                faults.point("stage_inside_one_transaction")
                 self._complete_in(conn, got, locked=True, **done)
                 return got, None
         except PoisonMessage as exc:

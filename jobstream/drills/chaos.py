@@ -60,6 +60,7 @@ from schemas.pipeline import PIPELINE
 OWNER = {
     "llm_chunk_answered_before_save": "worker",
     "llm_after_provider_before_checkpoint": "worker",
+    "stage_inside_one_transaction": "worker",
     "stage_after_commit_before_offset": "worker",
     "relay_after_produce_before_mark": "relay",
     "consumer_after_apply_before_offset": "consume-ready",

@@ -230,3 +230,28 @@ def test_pause_matrix_point(settings: Settings, tmp_path: Path, fault: str) -> N
     assert result.ok, result.report(tails=True)
     if fault.startswith("llm_"):
         assert result.effects["retaken_stages"] >= 1, result.report()
+
+
+@pytest.mark.parametrize("rig", [{"lease_s": 6.0, "sweep_grace_s": 4.0}], indirect=True)
+def test_a_worker_frozen_inside_a_one_transaction_stage_does_not_hold_the_job(rig: Rig) -> None:
+    """Short stages claim, work and complete in ONE transaction with the job row locked. A
+    worker frozen there must not hold the job while it is frozen: Postgres ends its session
+    after the lease (``idle_in_transaction_session_timeout``), the claim rolls back, and a
+    second worker finishes the job WHILE the first one is still stopped. Without the limit the
+    second worker's claim waits on the row lock for as long as the freeze lasts."""
+    rig.start("relay")
+    rig.start("consume-ready")
+    frozen = rig.start("worker", name="worker-a",
+                       JOBSTREAM_FAULT="stage_inside_one_transaction@1=stop")
+    rig.submit(1)
+    wait_for(lambda: _state(frozen) == "T", 120,
+             "worker-a frozen inside a one-transaction stage", rig.runner.logs, every_s=0.1)
+    rig.start("worker", name="worker-b")
+    wait_for(lambda: query(rig.s.database_url, "SELECT count(*) AS n FROM job "
+                           "WHERE status = 'succeeded'") == [{"n": 1}], 150,
+             "the job to succeed while worker-a is still frozen", rig.runner.logs)
+    assert _state(frozen) == "T"  # the job was finished without the frozen worker
+    os.kill(frozen.popen.pid, signal.SIGCONT)
+    rig.wait_done()
+    rig.check(redrives=True)
+    assert frozen.popen.poll() is None  # the resumed worker lost its session, not its life

@@ -46,8 +46,8 @@ def typed_row(cls: type[R], row: dict[str, Any]) -> R:
     by a later migration) are ignored. Raises ``TypeError`` when a named column is missing."""
     names = _FIELDS.get(cls)
     if names is None:
-        # cls is one of the row dataclasses below; a TypeVar cannot say "a dataclass".
-        names = _FIELDS[cls] = frozenset(f.name for f in fields(cls))  # type: ignore[arg-type]
+        names = _FIELDS[cls] = frozenset(
+            f.name for f in fields(cls))  # type: ignore[arg-type]  # R is a row dataclass; a TypeVar cannot say so
     return cls(**{k: v for k, v in row.items() if k in names})
 
 

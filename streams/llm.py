@@ -27,7 +27,11 @@ from streams.context import JobCancelled, NeedsReconciliation, StageContext, Sta
 from streams.runner import register_stage
 
 if TYPE_CHECKING:
+    from datetime import datetime
+
     import faust
+
+    from jobstream.settings import Settings
 
 log = logging.getLogger("jobstream.streams")
 
@@ -37,25 +41,32 @@ STAGE = PIPELINE.stage("llm")
 READS = ("chunks", "budget")
 
 
-def _check_budget(ctx: StageContext, claim: Claim, chunk_idx: int) -> int:
-    """Enforce the job's provider budget: attempts per chunk (over every retry round) AND the
-    job's deadline AND its cost cap. Returns the number of the next attempt. Raises
-    :class:`PermanentError` ``retry_budget_exhausted``, ``deadline_exceeded`` or
-    ``cost_cap_exceeded``."""
-    s = ctx.settings
-    job = claim.job
-    done = ctx.store.chunk_attempts(job.job_id, claim.stage, chunk_idx)
+def _enforce_budget(s: Settings, chunk_idx: int, done: int, created_at: datetime,
+                    spent: float) -> None:
+    """The job's provider budget, from figures already read: ``done`` attempts of this chunk
+    (over every retry round) against ``provider_budget_attempts``, the job's age (seconds since
+    ``created_at``) against ``job_deadline_s``, and ``spent`` (USD) against
+    ``provider_cost_cap_usd``. Raises :class:`PermanentError` ``retry_budget_exhausted``,
+    ``deadline_exceeded`` or ``cost_cap_exceeded``."""
     if done >= s.provider_budget_attempts:
         raise PermanentError(f"chunk {chunk_idx}: {done} provider attempts, budget "
                              f"{s.provider_budget_attempts}", code="retry_budget_exhausted")
-    age_s = time.time() - job.created_at.timestamp()
+    age_s = time.time() - created_at.timestamp()
     if age_s > s.job_deadline_s:
         raise PermanentError(f"job is {age_s:.0f}s old, deadline {s.job_deadline_s:.0f}s",
                              code="deadline_exceeded")
-    spent = ctx.store.job_provider_cost(job.job_id)
     if spent >= s.provider_cost_cap_usd and (spent > 0 or s.provider_cost_cap_usd == 0):
         raise PermanentError(f"provider cost cap reached: {spent:.6f} USD spent, cap "
                              f"{s.provider_cost_cap_usd:.6f} USD", code="cost_cap_exceeded")
+
+
+def _check_budget(ctx: StageContext, claim: Claim, chunk_idx: int) -> int:
+    """Enforce the job's provider budget (:func:`_enforce_budget`) from the store's current
+    figures. Returns the number of the next attempt. Raises :class:`PermanentError`."""
+    job = claim.job
+    done = ctx.store.chunk_attempts(job.job_id, claim.stage, chunk_idx)
+    _enforce_budget(ctx.settings, chunk_idx, done, job.created_at,
+                    ctx.store.job_provider_cost(job.job_id))
     return done + 1
 
 
@@ -315,16 +326,7 @@ def _work_local(ctx: StageContext, claim: Claim, profile: ModelProfile, prompt: 
             outputs.append(ch.llm_output)
             continue
         done = budget.chunk_attempts.get(ch.idx, 0)
-        if done >= s.provider_budget_attempts:
-            raise PermanentError(f"chunk {ch.idx}: {done} provider attempts, budget "
-                                 f"{s.provider_budget_attempts}", code="retry_budget_exhausted")
-        age_s = time.time() - job.created_at.timestamp()
-        if age_s > s.job_deadline_s:
-            raise PermanentError(f"job is {age_s:.0f}s old, deadline {s.job_deadline_s:.0f}s",
-                                 code="deadline_exceeded")
-        if spent >= s.provider_cost_cap_usd and (spent > 0 or s.provider_cost_cap_usd == 0):
-            raise PermanentError(f"provider cost cap reached: {spent:.6f} USD spent, cap "
-                                 f"{s.provider_cost_cap_usd:.6f} USD", code="cost_cap_exceeded")
+        _enforce_budget(s, ch.idx, done, job.created_at, spent)
         answer = client.complete(prompt, ch.text, idempotency_key=f"{job.job_id}:{ch.idx}")
         price = profile.cost_usd(answer.prompt_tokens, answer.completion_tokens)
         spent += price

@@ -112,6 +112,16 @@ class Settings(BaseSettings):
                     "work and complete in ONE transaction under the job's row lock instead of "
                     "a claim transaction and a completion transaction (bench/README.md).",
     )
+    stage_concurrency: int = Field(
+        8, ge=1, description="Events one worker's agent of a stage other than llm (which "
+        "has llm_concurrency) holds at once: while one batch commits, the next one gathers.",
+    )
+    stage_batch_max: int = Field(
+        16, ge=1, description="One-transaction stages (extract of text/plain, chunk, "
+        "validate, publish): most events that share one transaction (group commit: those "
+        "that arrived while the previous one committed; each still fenced by its own run "
+        "token and generation, in its own savepoint). 1: a transaction per event.",
+    )
     max_stage_attempts: int = Field(
         5, ge=1, description="Runs of one stage before the sweeper fails a stuck job."
     )

@@ -39,6 +39,7 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 
 
 R = TypeVar("R")
+T = TypeVar("T")
 
 
 def typed_row(cls: type[R], row: dict[str, Any]) -> R:
@@ -501,20 +502,52 @@ class Store:
                 # Paused past its lease, the process loses the session (and the row lock).
                 conn.execute(Q["one_transaction_idle_limit"],
                              {"ms": str(int(float(claim_kw["lease_s"]) * 1000))})
-                got = self._claim_in(conn, **claim_kw)
-                if not isinstance(got, Claim):
-                    return got, None
-                try:
-                    done = work(got)
-                except Exception as exc:  # noqa: BLE001 - handed back, the claim commits
-                    return got, exc
-                faults.point("stage_inside_one_transaction")
-                self._complete_in(conn, got, locked=True, **done)
-                return got, None
+                return self.claim_and_complete_in(conn, work, **claim_kw)
         except PoisonMessage as exc:
             # Postgres refused the completion's data (invalid_data): the claim rolled back with
             # it. Claim again, alone, so the run ends like a two-transaction one (job failed).
             return self.claim(**claim_kw), exc
+
+    def claim_and_complete_in(self, conn: Conn, work: Callable[[Claim], dict[str, Any]],
+                              **claim_kw: Any) -> tuple[Claim | Skip | Done | LeaseHeld,
+                                                        Exception | None]:
+        """:meth:`claim_and_complete`'s claim, work and completion inside the caller's
+        transaction ``conn`` (the caller sets the idle limit and commits)."""
+        got = self._claim_in(conn, **claim_kw)
+        if not isinstance(got, Claim):
+            return got, None
+        try:
+            done = work(got)
+        except Exception as exc:  # noqa: BLE001 - handed back, the claim commits
+            return got, exc
+        faults.point("stage_inside_one_transaction")
+        self._complete_in(conn, got, locked=True, **done)
+        return got, None
+
+    def claim_and_complete_many(self, steps: Sequence[Callable[[Conn], T]], lease_s: float
+                                ) -> list[T | None]:
+        """Several one-transaction stage runs (each ``step(conn)`` calls
+        :meth:`claim_and_complete_in` for one event) in ONE transaction, each inside its own
+        savepoint: a step that raises is rolled back alone and its slot is ``None`` (the
+        caller runs that event again on its own, which reports its error as usual), the others
+        commit together. Every run is fenced as in :meth:`claim_and_complete` (job row locked,
+        run token, generation); the idle limit is ``lease_s`` seconds, as there.
+
+        Raises :class:`RetryableError` / :class:`PoisonMessage` like :meth:`tx` when the
+        transaction itself fails (nothing of it committed, or - a lost COMMIT - all of it).
+        """
+        out: list[T | None] = []
+        with self.tx() as conn:
+            conn.execute(Q["one_transaction_idle_limit"], {"ms": str(int(lease_s * 1000))})
+            for step in steps:
+                try:
+                    with conn.transaction():  # a savepoint
+                        out.append(step(conn))
+                except (psycopg.OperationalError, psycopg.errors.InFailedSqlTransaction):
+                    raise  # the session is gone: the whole transaction fails
+                except Exception:  # noqa: BLE001 - rolled back to the savepoint; run alone
+                    out.append(None)
+        return out
 
     def _claim_in(self, conn: Conn, *, job_id: uuid.UUID, stage: str, group: str,
                   dedup_key: str, event_type: str, event_id: uuid.UUID, lease_s: float,

@@ -32,7 +32,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import faust
@@ -88,10 +88,15 @@ def retry_delay_s(round_no: int, base_s: float, cap_s: float, retry_after_s: flo
 
 def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consumes: str,
                          handler: Callable[[StageContext, Any], Any],
-                         topic_name: str | None = None, concurrency: int = 1) -> Any:
+                         topic_name: str | None = None, concurrency: int = 1,
+                         runner: Callable[[Any], Awaitable[Any]] | None = None) -> Any:
     """Register the agent of topic ``topic_name`` (logical name; default ``consumes``, the
     event type it accepts) running ``handler(ctx, event)`` in up to ``concurrency`` events at
-    once, and its retry agent on ``<topic>.retry``. Returns the main agent."""
+    once, and its retry agent on ``<topic>.retry``. Returns the main agent.
+
+    ``runner``: an async ``runner(event)`` that runs ``handler`` for a decoded event (and
+    raises what it raises), e.g. :class:`streams.runner.GroupCommit`'s ``run``; default: the
+    handler on a thread of its own."""
     s = ctx.settings
     kw: dict[str, Any] = {"value_serializer": "raw", "key_serializer": "raw",
                           "partitions": s.topic_partitions}
@@ -163,7 +168,8 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
         attempt = 0
         while True:
             try:
-                outcome = await asyncio.to_thread(handler, ctx, ev)
+                outcome = await (runner(ev) if runner is not None
+                                 else asyncio.to_thread(handler, ctx, ev))
                 log.info("%s %s job=%s round=%d -> %s", name, ev.event_type,
                          getattr(ev, "job_id", "-"), round_no, outcome)
                 return

@@ -16,7 +16,10 @@ same message later; nothing was checkpointed) and :class:`PoisonMessage` (dead-l
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
+import functools
 import importlib
 import logging
 import time
@@ -64,56 +67,88 @@ def work_of(stage: str) -> Callable[[StageContext, Claim, Any], StageResult]:
 
 
 def register_stage(app: faust.App, ctx: StageContext, stage: Stage, *, lane: str | None = None,
-                   concurrency: int = 1) -> Any:
+                   concurrency: int | None = None) -> Any:
     """Register the agent of ``stage`` (``<name>_<lane>`` on the lane's topic when ``lane``
-    is given) running :func:`run_stage`, and its retry agent. Returns the main agent."""
+    is given) running :func:`run_stage`, and its retry agent. Returns the main agent.
+
+    ``concurrency``: events the agent holds at once (default ``stage_concurrency``). A stage
+    whose module has ``one_transaction`` runs its events through a :class:`GroupCommit`
+    (up to ``stage_batch_max`` per transaction)."""
     from streams.base import register_stage_agent  # faust: only the worker needs it
 
+    s = ctx.settings
+    module = module_of(stage.name)
+    runner = (GroupCommit(ctx, s.stage_batch_max).run
+              if hasattr(module, "one_transaction") and s.stage_batch_max > 1 else None)
     return register_stage_agent(
         app, ctx, name=stage.name if lane is None else f"{stage.name}_{lane}",
         consumes=stage.consumes, topic_name=None if lane is None else stage.lanes[lane],
-        handler=run_stage, concurrency=concurrency)
+        handler=run_stage, concurrency=concurrency or s.stage_concurrency, runner=runner)
 
 
-def run_stage(ctx: StageContext, ev: Any) -> str:
+class _Plan:
+    """What :func:`run_stage` needs of one event before it claims: its stage, the claim's
+    arguments, whether it runs in ONE transaction, and how a result becomes a completion."""
+
+    def __init__(self, ctx: StageContext, ev: Any) -> None:
+        self.stage = stage = PIPELINE.consumer_of(ev.event_type)
+        self.emits = EVENT_MODELS[stage.emits]
+        self.module = module = module_of(stage.name)
+        self.group = group = ctx.group(stage.name)
+        self.common: dict[str, Any] = {
+            "tenant_id": ev.tenant_id, "request_id": ev.request_id, "job_id": ev.job_id,
+            "dedup_key": ev.dedup_key, "generation": ev.generation}
+        self.later = PIPELINE.later(stage.name)
+        self.claim_kw: dict[str, Any] = {
+            "job_id": ev.job_id, "stage": stage.name, "group": group,
+            "dedup_key": ev.dedup_key, "event_type": ev.event_type, "event_id": ev.event_id,
+            "lease_s": ctx.settings.lease_s, "code_version": ctx.code_version(stage.name),
+            "generation": ev.generation, "reads": getattr(module, "READS", ())}
+        self.single = shares_transaction(ctx, ev)
+        self.ctx, self.ev = ctx, ev
+
+    def completion(self, claim: Claim, result: StageResult) -> dict[str, Any]:
+        """The :meth:`Store.complete` arguments of a run whose work returned ``result``."""
+        ctx, ev = self.ctx, self.ev
+        next_event = self.emits(**{**self.common, "idempotency_key": claim.job.idempotency_key},
+                                payload=result.payload)
+        return {"output": result.output, "input_hash": result.input_hash,
+                "code_version": result.code_version, "cost_usd": result.cost_usd,
+                "group": self.group, "event_type": ev.event_type, "event_id": ev.event_id,
+                "next_msg": outbox_msg(ctx, next_event, claim.job.lane),
+                "chunks": result.chunks, "charge_usd": result.charge_usd,
+                "later_stages": self.later, "local_answers": result.local_answers}
+
+    def work_and_completion(self, claim: Claim) -> dict[str, Any]:
+        """Run the stage's work on ``claim``; its completion arguments."""
+        return self.completion(claim, self.module.work(self.ctx, claim, self.ev))
+
+
+Attempt = tuple[Claim | Skip | Done | LeaseHeld, Exception | None]
+
+
+def run_stage(ctx: StageContext, ev: Any, *, plan: _Plan | None = None,
+              first: Attempt | None = None) -> str:
     """Process one stage event end to end; returns what happened, for logs and tests:
     ``done``, ``reused`` (re-emitted a finished checkpoint after a redrive),
     ``skipped:<reason>``, ``failed:<error code>``, ``parked``, ``cancelled`` or ``stale``.
 
+    ``first``: the outcome of a one-transaction attempt already made for this event (by
+    :func:`run_stage_batch`, inside a shared transaction that has committed); the run goes on
+    from there exactly as after its own :meth:`Store.claim_and_complete`.
+
     Waits (sleeping) while another run holds a live lease; a lease that expires is taken over.
     Raises :class:`RetryableError` / :class:`OutcomeUnknown` for the caller to retry later.
     """
-    stage = PIPELINE.consumer_of(ev.event_type)
-    emits = EVENT_MODELS[stage.emits]
-    module = module_of(stage.name)
-    group = ctx.group(stage.name)
-    common = {"tenant_id": ev.tenant_id, "request_id": ev.request_id, "job_id": ev.job_id,
-              "dedup_key": ev.dedup_key, "generation": ev.generation}
-    later = PIPELINE.later(stage.name)
-    claim_kw = {"job_id": ev.job_id, "stage": stage.name, "group": group,
-                "dedup_key": ev.dedup_key, "event_type": ev.event_type,
-                "event_id": ev.event_id, "lease_s": ctx.settings.lease_s,
-                "code_version": ctx.code_version(stage.name), "generation": ev.generation,
-                "reads": getattr(module, "READS", ())}
-
-    def completion(claim: Claim, result: StageResult) -> dict[str, Any]:
-        """The :meth:`Store.complete` arguments of a run whose work returned ``result``."""
-        next_event = emits(**{**common, "idempotency_key": claim.job.idempotency_key},
-                           payload=result.payload)
-        return {"output": result.output, "input_hash": result.input_hash,
-                "code_version": result.code_version, "cost_usd": result.cost_usd,
-                "group": group, "event_type": ev.event_type, "event_id": ev.event_id,
-                "next_msg": outbox_msg(ctx, next_event, claim.job.lane),
-                "chunks": result.chunks, "charge_usd": result.charge_usd,
-                "later_stages": later, "local_answers": result.local_answers}
-
-    single = bool(ctx.settings.stage_one_transaction and hasattr(module, "one_transaction")
-                  and module.one_transaction(ctx, ev))
+    p = plan or _Plan(ctx, ev)
+    stage, emits, group, common = p.stage, p.emits, p.group, p.common
+    claim_kw, single = p.claim_kw, p.single
     failure: Exception | None = None
     while True:
-        if single:  # claim, work and complete in ONE transaction (a short, pure stage)
-            got, failure = ctx.store.claim_and_complete(
-                lambda c: completion(c, module.work(ctx, c, ev)), **claim_kw)
+        if first is not None:  # attempted in a shared transaction (run_stage_batch)
+            (got, failure), first = first, None
+        elif single:  # claim, work and complete in ONE transaction (a short, pure stage)
+            got, failure = ctx.store.claim_and_complete(p.work_and_completion, **claim_kw)
         else:
             got = ctx.store.claim(**claim_kw)
         if isinstance(got, Skip):
@@ -142,7 +177,7 @@ def run_stage(ctx: StageContext, ev: Any) -> str:
                 if failure is not None:  # the work failed; its claim committed alone
                     raise failure
                 return "done"
-            ctx.store.complete(claim, **completion(claim, module.work(ctx, claim, ev)))
+            ctx.store.complete(claim, **p.work_and_completion(claim))
         except (RetryableError, OutcomeUnknown) as exc:
             # Give the stage back so the retry claims it at once instead of waiting for this
             # run's lease; then let the caller retry. Also when the completing transaction
@@ -187,6 +222,127 @@ def run_stage(ctx: StageContext, ev: Any) -> str:
     except Exception as exc:
         _end_run(ctx, claim, ev, group, common, exc)
         raise
+
+
+def run_stage_batch(ctx: StageContext, events: list[Any]) -> list[str | Exception]:
+    """Run several events (of one agent, taken while earlier ones were committing) as
+    :func:`run_stage` would one by one, with ONE transaction for the claim, work and
+    completion of all of them that qualify for one (:meth:`Store.claim_and_complete_many`):
+    each run is still fenced by its own run token and generation under its job's row lock,
+    in its own savepoint. Each event is then finished on its own (a work that failed ends its
+    run as in :func:`run_stage`; a run whose savepoint rolled back runs again alone, which
+    reports its error), so one failing event fails no other.
+
+    Returns one entry per event, in order: :func:`run_stage`'s outcome or the exception it
+    raised (the caller routes it per event: retry, dead letter). Each event's work runs in
+    the ``contextvars`` context of its own message when ``events`` are ``(event, context)``
+    pairs (its log fields and trace span), else in the caller's.
+    """
+    items: list[tuple[Any, contextvars.Context | None]] = [
+        e if isinstance(e, tuple) else (e, None) for e in events]
+    plans: list[_Plan | Exception] = []
+    for ev, cv in items:
+        try:
+            plans.append(cv.run(_Plan, ctx, ev) if cv else _Plan(ctx, ev))
+        except Exception as exc:  # noqa: BLE001 - reported for this event only
+            plans.append(exc)
+    # In the jobs' order (stable: one job's events keep theirs), so two workers' shared
+    # transactions lock job rows in the same order and never deadlock each other.
+    shared = sorted((i for i, p in enumerate(plans) if isinstance(p, _Plan) and p.single),
+                    key=lambda i: str(items[i][0].job_id))
+    firsts: dict[int, Attempt | None] = {}
+    if len(shared) > 1:
+        def step(i: int) -> Callable[[Any], Attempt]:
+            plan = cast(_Plan, plans[i])
+            cv = items[i][1]
+
+            def run(conn: Any) -> Attempt:
+                call = functools.partial(ctx.store.claim_and_complete_in, conn,
+                                         plan.work_and_completion, **plan.claim_kw)
+                return cv.run(call) if cv else call()
+            return run
+        try:
+            got = ctx.store.claim_and_complete_many([step(i) for i in shared],
+                                                    lease_s=ctx.settings.lease_s)
+            firsts = dict(zip(shared, got, strict=True))
+        except Exception as exc:  # noqa: BLE001 - nothing shared committed: each runs alone
+            log.warning("shared stage transaction of %d events failed (%s); running them one "
+                        "by one", len(shared), exc)
+    out: list[str | Exception] = []
+    for i, (ev, cv) in enumerate(items):
+        plan = plans[i]
+        if isinstance(plan, Exception):
+            out.append(plan)
+            continue
+        call = functools.partial(run_stage, ctx, ev, plan=plan, first=firsts.get(i))
+        try:
+            out.append(cv.run(call) if cv else call())
+        except Exception as exc:  # noqa: BLE001 - handed to the caller for this event
+            out.append(exc)
+    return out
+
+
+def shares_transaction(ctx: StageContext, ev: Any) -> bool:
+    """Whether ``ev`` runs in ONE transaction (``stage_one_transaction`` and its module's
+    ``one_transaction``), hence may share it with other events (:class:`GroupCommit`)."""
+    module = module_of(PIPELINE.consumer_of(ev.event_type).name)
+    return bool(ctx.settings.stage_one_transaction and hasattr(module, "one_transaction")
+                and module.one_transaction(ctx, ev))
+
+
+class GroupCommit:
+    """Runs one agent's stage events, sharing a transaction among those that arrive while
+    an earlier batch is being committed (group commit): an event on an idle agent runs at
+    once, alone; under load up to ``max_batch`` queued events run as :func:`run_stage_batch`.
+    Needs the agent to hold more than one event at once (``stage_concurrency``).
+
+    :meth:`run` is what the agent awaits per decoded event; it raises what :func:`run_stage`
+    raises for that event. Events that cannot share a transaction (a PDF's extract, a stage
+    without ``one_transaction``) run on their own thread at once, as before.
+    """
+
+    def __init__(self, ctx: StageContext, max_batch: int) -> None:
+        self.ctx, self.max_batch = ctx, max(1, max_batch)
+        self._queue: list[tuple[Any, contextvars.Context, asyncio.Future[str]]] = []
+        self._draining = False
+
+    async def run(self, ev: Any) -> str:
+        """Run ``ev`` (a decoded stage event); returns :func:`run_stage`'s outcome."""
+        if self.max_batch == 1 or not shares_transaction(self.ctx, ev):
+            return await asyncio.to_thread(run_stage, self.ctx, ev)
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._queue.append((ev, contextvars.copy_context(), fut))
+        if not self._draining:
+            self._draining = True
+            asyncio.get_running_loop().create_task(self._drain())
+        return await fut
+
+    async def _drain(self) -> None:
+        try:
+            while self._queue:
+                batch = self._queue[:self.max_batch]
+                del self._queue[:self.max_batch]
+                batch = [b for b in batch if not b[2].cancelled()]
+                if not batch:
+                    continue
+                try:
+                    got = await asyncio.to_thread(run_stage_batch, self.ctx,
+                                                  [(ev, cv) for ev, cv, _ in batch])
+                except Exception as exc:  # noqa: BLE001 - a bug in the batching itself
+                    got = [exc] * len(batch)
+                for (_, _, fut), res in zip(batch, got, strict=True):
+                    if fut.done():
+                        continue
+                    if isinstance(res, Exception):
+                        fut.set_exception(res)
+                    else:
+                        fut.set_result(res)
+        finally:
+            self._draining = False
+            for _, _, fut in self._queue:  # only when cancelled itself (stopping)
+                if not fut.done():
+                    fut.cancel()
+            self._queue.clear()
 
 
 def _end_run(ctx: StageContext, claim: Claim, ev: Any, group: str, common: dict[str, Any],

@@ -29,7 +29,7 @@ from psycopg import sql
 
 from jobstream.db import migrate
 from jobstream.drills import procs
-from jobstream.kafka import all_topics, base_config, delete_topics
+from jobstream.kafka import all_topics, base_config, delete_topics, topic_partitions
 from jobstream.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,8 +149,14 @@ def isolated(args: argparse.Namespace, label: str, **settings_kw: Any) -> Iterat
 def ensure_all_topics(settings: Settings) -> None:
     """Every pipeline topic of the run's prefix, with LogAppendTime timestamps so messages
     carry the broker's append time (what "reached Kafka" means in these benchmarks)."""
-    create_topics(settings, all_topics(settings), partitions=settings.topic_partitions,
+    names = all_topics(settings)
+    retry = [n for n in names if topic_partitions(settings, n) != settings.topic_partitions]
+    create_topics(settings, [n for n in names if n not in retry],
+                  partitions=settings.topic_partitions,
                   config={"message.timestamp.type": "LogAppendTime"})
+    if retry:  # the .retry topics (jobstream.kafka.topic_partitions)
+        create_topics(settings, retry, partitions=settings.retry_topic_partitions,
+                      config={"message.timestamp.type": "LogAppendTime"})
 
 
 def subprocess_env(settings: Settings, **extra: str) -> dict[str, str]:

@@ -137,8 +137,18 @@ def consumer_config(settings: Settings, group: str, **extra: Any) -> dict[str, A
             **extra}
 
 
+def topic_partitions(settings: Settings, name: str) -> int:
+    """Partitions a topic is created with: ``retry_topic_partitions`` for a ``.retry`` topic
+    (transient failures only, consumed by every stage worker: each partition is decoded in
+    every fetch), ``topic_partitions`` for the others."""
+    if name.endswith(".retry"):
+        return settings.retry_topic_partitions
+    return settings.topic_partitions
+
+
 def ensure_topics(settings: Settings, timeout_s: float = 30.0) -> list[str]:
-    """Create missing topics (partitions and replication from settings, ``max.message.bytes``
+    """Create missing topics (partitions (:func:`topic_partitions`) and replication from
+    settings, ``max.message.bytes``
     from :func:`topic_max_message_bytes`); returns those created. Existing topics keep their
     configuration.
 
@@ -150,7 +160,7 @@ def ensure_topics(settings: Settings, timeout_s: float = 30.0) -> list[str]:
     if not wanted:
         return []
     futures = admin.create_topics(
-        [NewTopic(t, num_partitions=settings.topic_partitions,
+        [NewTopic(t, num_partitions=topic_partitions(settings, t),
                   replication_factor=settings.topic_replication,
                   config={"max.message.bytes": str(topic_max_message_bytes(settings, t))})
          for t in wanted],

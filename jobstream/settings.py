@@ -50,6 +50,11 @@ class Settings(BaseSettings):
         "", description="Prefix for every topic and consumer group (isolates tests/tenants)."
     )
     topic_partitions: int = Field(3, ge=1, description="Partitions per pipeline topic.")
+    retry_topic_partitions: int = Field(
+        1, ge=1, description="Partitions of each stage's .retry topic (a slow path: transient "
+        "failures only). Every partition a worker is assigned is in every fetch it decodes, "
+        "so fewer retry partitions cost less CPU per job (bench/README.md).",
+    )
     topic_replication: int = Field(1, ge=1, description="Replication factor of created topics.")
     consumer_session_timeout_ms: int = Field(
         10_000, ge=1000, description="Kafka consumer session timeout (milliseconds)."

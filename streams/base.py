@@ -102,7 +102,8 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
                           "partitions": s.topic_partitions}
     source = topic_name or consumes
     topic = app.topic(s.topic(source), **kw)
-    retry_topic = app.topic(s.topic(source + ".retry"), **kw)
+    retry_topic = app.topic(s.topic(source + ".retry"),
+                            **{**kw, "partitions": s.retry_topic_partitions})
     # Log context + trace span of each message (intake is where a trace may start).
     scope: dict[str, Any] = {"stage": PIPELINE.consumer_of(consumes).name, "group": app.conf.id,
                              "start_trace": consumes == PIPELINE.stages[0].consumes}

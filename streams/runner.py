@@ -305,6 +305,7 @@ class GroupCommit:
         self.ctx, self.max_batch = ctx, max(1, max_batch)
         self._queue: list[tuple[Any, contextvars.Context, asyncio.Future[str]]] = []
         self._draining = False
+        self._task: asyncio.Task[None] | None = None  # the drain running (a strong reference)
 
     async def run(self, ev: Any) -> str:
         """Run ``ev`` (a decoded stage event); returns :func:`run_stage`'s outcome."""
@@ -314,7 +315,7 @@ class GroupCommit:
         self._queue.append((ev, contextvars.copy_context(), fut))
         if not self._draining:
             self._draining = True
-            asyncio.get_running_loop().create_task(self._drain())
+            self._task = asyncio.get_running_loop().create_task(self._drain())
         return await fut
 
     async def _drain(self) -> None:

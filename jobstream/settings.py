@@ -118,8 +118,10 @@ class Settings(BaseSettings):
                     "a claim transaction and a completion transaction (bench/README.md).",
     )
     stage_concurrency: int = Field(
-        8, ge=1, description="Events one worker's agent of a stage other than llm (which "
-        "has llm_concurrency) holds at once: while one batch commits, the next one gathers.",
+        8, ge=1, description="Events one worker's agent of extract, chunk, validate or "
+        "publish holds at once when stage_batch_max > 1: while one shared transaction "
+        "commits, the next one gathers. Events that cannot share one (a PDF) still run one "
+        "at a time.",
     )
     stage_batch_max: int = Field(
         16, ge=1, description="One-transaction stages (extract of text/plain, chunk, "

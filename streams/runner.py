@@ -71,9 +71,10 @@ def register_stage(app: faust.App, ctx: StageContext, stage: Stage, *, lane: str
     """Register the agent of ``stage`` (``<name>_<lane>`` on the lane's topic when ``lane``
     is given) running :func:`run_stage`, and its retry agent. Returns the main agent.
 
-    ``concurrency``: events the agent holds at once (default ``stage_concurrency``). A stage
-    whose module has ``one_transaction`` runs its events through a :class:`GroupCommit`
-    (up to ``stage_batch_max`` per transaction)."""
+    ``concurrency``: events the agent holds at once. A stage whose module has
+    ``one_transaction`` runs its events through a :class:`GroupCommit` (up to
+    ``stage_batch_max`` per transaction), holding ``stage_concurrency`` events by default;
+    with ``stage_batch_max`` = 1, one event at a time, as before."""
     from streams.base import register_stage_agent  # faust: only the worker needs it
 
     s = ctx.settings
@@ -83,7 +84,8 @@ def register_stage(app: faust.App, ctx: StageContext, stage: Stage, *, lane: str
     return register_stage_agent(
         app, ctx, name=stage.name if lane is None else f"{stage.name}_{lane}",
         consumes=stage.consumes, topic_name=None if lane is None else stage.lanes[lane],
-        handler=run_stage, concurrency=concurrency or s.stage_concurrency, runner=runner)
+        handler=run_stage, concurrency=concurrency or (s.stage_concurrency if runner else 1),
+        runner=runner)
 
 
 class _Plan:
@@ -297,8 +299,8 @@ class GroupCommit:
     Needs the agent to hold more than one event at once (``stage_concurrency``).
 
     :meth:`run` is what the agent awaits per decoded event; it raises what :func:`run_stage`
-    raises for that event. Events that cannot share a transaction (a PDF's extract, a stage
-    without ``one_transaction``) run on their own thread at once, as before.
+    raises for that event. Events that cannot share a transaction (a PDF's extract) run on a
+    thread of their own, one at a time, as before.
     """
 
     def __init__(self, ctx: StageContext, max_batch: int) -> None:
@@ -306,11 +308,15 @@ class GroupCommit:
         self._queue: list[tuple[Any, contextvars.Context, asyncio.Future[str]]] = []
         self._draining = False
         self._task: asyncio.Task[None] | None = None  # the drain running (a strong reference)
+        self._alone: asyncio.Semaphore | None = None
 
     async def run(self, ev: Any) -> str:
         """Run ``ev`` (a decoded stage event); returns :func:`run_stage`'s outcome."""
         if self.max_batch == 1 or not shares_transaction(self.ctx, ev):
-            return await asyncio.to_thread(run_stage, self.ctx, ev)
+            if self._alone is None:
+                self._alone = asyncio.Semaphore(1)
+            async with self._alone:  # one at a time, as before (a PDF's parser: memory)
+                return await asyncio.to_thread(run_stage, self.ctx, ev)
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._queue.append((ev, contextvars.copy_context(), fut))
         if not self._draining:

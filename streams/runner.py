@@ -263,6 +263,9 @@ def run_stage_batch(ctx: StageContext, events: list[Any]) -> list[str | Exceptio
                                          plan.work_and_completion, **plan.claim_kw)
                 return cv.run(call) if cv else call()
             return run
+        log.info("shared stage transaction: %d events of %s, jobs %s", len(shared),
+                 cast(_Plan, plans[shared[0]]).stage.name,
+                 " ".join(str(items[i][0].job_id) for i in shared))
         try:
             got = ctx.store.claim_and_complete_many([step(i) for i in shared],
                                                     lease_s=ctx.settings.lease_s)

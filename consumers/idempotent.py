@@ -96,7 +96,8 @@ class Hooks:
     ``on_dead_lettered(code, reason)`` (once the dead letter is durable). Runtime:
     ``db_ok()`` / ``db_failed(exc)`` (readiness), ``message_scope(headers, group)`` (a context
     manager around one message: log context, tracing), ``bind(**fields)`` (facts learnt once
-    decoded), ``after_apply()`` (after a commit, before the offsets are stored: a crash point).
+    decoded), ``after_apply()`` (after a commit, before the offsets are stored: a crash point),
+    ``in_transaction()`` (the handler ran, the transaction is not committed yet: a pause point).
     """
 
     on_applied: Callable[[Any], None] | None = None
@@ -107,6 +108,7 @@ class Hooks:
     message_scope: Callable[..., contextlib.AbstractContextManager[Any]] | None = None
     bind: Callable[..., None] | None = None
     after_apply: Callable[[], None] | None = None
+    in_transaction: Callable[[], None] | None = None
 
 
 def _call(hook: Callable[..., Any] | None, *args: Any, **kw: Any) -> None:
@@ -449,6 +451,7 @@ class IdempotentConsumer:
                     _call(self.hooks.on_duplicate, event)
                     return "duplicate"
                 self._handlers[event.event_type](conn, event)
+                _call(self.hooks.in_transaction)
         except (PoisonMessage, psycopg.DataError, UnicodeEncodeError) as exc:
             self._dead_letter(msg, classify(exc)[1], describe(exc))
             return "dead_lettered"
@@ -490,6 +493,7 @@ class IdempotentConsumer:
                     with conn.pipeline():
                         for _, ev in todo:
                             self._handlers[ev.event_type](conn, ev)
+                _call(self.hooks.in_transaction)
                 for i, ev in todo:
                     outcomes[i] = "applied"
                     applied.append(ev)

@@ -375,8 +375,13 @@ class IdempotentConsumer:
     def _db(self) -> psycopg.Connection[DictRow]:
         if self._conn is None or self._conn.closed:
             try:
-                self._conn = psycopg.connect(self.settings.dsn, row_factory=dict_row,
-                                             connect_timeout=10)
+                # A consumer frozen inside its transaction past this loses the session, so
+                # the batch's locks: the partitions' next owner does not wait for it.
+                ms = int(self.settings.transaction_idle_timeout_s * 1000)
+                options = psycopg.conninfo.conninfo_to_dict(self.settings.dsn).get("options")
+                self._conn = psycopg.connect(
+                    self.settings.dsn, row_factory=dict_row, connect_timeout=10,
+                    options=f"{options or ''} -c idle_in_transaction_session_timeout={ms}")
             except psycopg.OperationalError as exc:
                 _call(self.hooks.db_failed, exc)
                 raise

@@ -488,7 +488,9 @@ class Store:
         the caller ends the run as after a two-transaction claim (fail, release, cancel), so
         failure paths do not change. A crash during ``work`` rolls the claim back: the
         redelivered event claims again. Returns ``(claim result, None)`` otherwise (the run
-        completed when the result is a :class:`Claim`). Raises :class:`StaleRun` like
+        completed when the result is a :class:`Claim`). When Postgres refuses the completion
+        (``invalid_data``, a constraint...), the claim rolls back with it and is made again
+        alone: ``(claim, exception)``. Raises :class:`StaleRun` like
         :meth:`complete` (not expected: the lock is held).
 
         The transaction may stay idle at most ``lease_s`` seconds
@@ -511,9 +513,11 @@ class Store:
                 faults.point("stage_inside_one_transaction")
                 self._complete_in(conn, got, locked=True, **done)
                 return got, None
-        except PoisonMessage as exc:
-            # Postgres refused the completion's data (invalid_data): the claim rolled back with
-            # it. Claim again, alone, so the run ends like a two-transaction one (job failed).
+        except (PoisonMessage, psycopg.Error) as exc:
+            # Postgres refused the completion (its data: invalid_data; or anything else it
+            # raises that is not an outage, e.g. a constraint): the claim rolled back with it.
+            # Claim again, alone, so the run ends like a two-transaction one (job failed)
+            # instead of leaving the job open with no run to end it.
             return self.claim(**claim_kw), exc
 
     def _claim_in(self, conn: Conn, *, job_id: uuid.UUID, stage: str, group: str,

@@ -52,6 +52,12 @@ def _job(settings: Settings, key: str) -> dict:
     return rows[0] if rows else {}
 
 
+def _ended(settings: Settings, key: str) -> dict:
+    """The job of ``key`` once it is terminal, else ``{}``."""
+    job = _job(settings, key)
+    return job if job.get("status") in ("failed", "succeeded", "cancelled") else {}
+
+
 def test_a_one_transaction_completion_postgres_refuses_fails_the_job_once(
         settings: Settings, procs: ProcessRunner) -> None:
     with psycopg.connect(settings.database_url, autocommit=True) as conn:
@@ -60,8 +66,8 @@ def test_a_one_transaction_completion_postgres_refuses_fails_the_job_once(
     worker = procs.start("worker", JOBSTREAM_STAGE_ONE_TRANSACTION="true")
     ev = _uploaded("refused", "One short document. It has two sentences.")
     produce_raw(settings, settings.topic("document.uploaded"), [(b"refused", encode_event(ev))])
-    job = wait_for(lambda: (j := _job(settings, "refused")) and j["status"] in ("failed", "succeeded", "cancelled") and j,
-                   90, "the job whose chunk completion Postgres refuses to end", procs.logs)
+    job = wait_for(lambda: _ended(settings, "refused"), 90,
+                   "the job whose chunk completion Postgres refuses to end", procs.logs)
     assert (job["status"], job["error_code"]) == ("failed", "internal_error"), job
     stages = {r["stage"]: (r["status"], r["attempt"]) for r in query(
         settings.database_url, "SELECT stage, status, attempt FROM job_stage WHERE job_id = %s",
@@ -84,3 +90,46 @@ def test_a_one_transaction_completion_postgres_refuses_fails_the_job_once(
     wait_for(lambda: _job(settings, "ok").get("status") == "succeeded", 90,
              "the next document to succeed", procs.logs)
     assert worker.popen.poll() is None, procs.logs()
+
+
+SLOW_CHUNK = """
+CREATE FUNCTION break_slow_chunk() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  IF NEW.stage = 'chunk' AND NEW.status = 'succeeded' THEN
+    PERFORM pg_sleep(3);
+  END IF;
+  RETURN NEW;
+END $$;
+CREATE TRIGGER break_slow_chunk BEFORE INSERT OR UPDATE ON job_stage
+  FOR EACH ROW EXECUTE FUNCTION break_slow_chunk();
+"""
+
+
+def test_a_one_transaction_completion_over_statement_timeout_ends_in_the_retry_budget(
+        settings: Settings, procs: ProcessRunner) -> None:
+    """Postgres cancels a one-transaction stage's completion (``statement_timeout``) every
+    time: an outage to the worker, so the event goes round the retry topic, the claim rolling
+    back each time (no attempt counted); when the budget is spent the job must fail once
+    (``retry_budget_exhausted``, one ``job.failed``), never stay open."""
+    with psycopg.connect(settings.database_url, autocommit=True) as conn:
+        conn.execute(SLOW_CHUNK)
+        dbname = conn.info.dbname
+        conn.execute(f'ALTER DATABASE "{dbname}" SET statement_timeout = \'1s\'')
+    procs.start("relay")
+    worker = procs.start("worker", JOBSTREAM_STAGE_ONE_TRANSACTION="true",
+                         JOBSTREAM_RETRY_ROUNDS="1",
+                         JOBSTREAM_RETRY_IN_PLACE="0", JOBSTREAM_RETRY_BASE_S="0.1")
+    ev = _uploaded("slow", "A document whose chunks Postgres takes too long to store.")
+    produce_raw(settings, settings.topic("document.uploaded"), [(b"slow", encode_event(ev))])
+    job = wait_for(lambda: _ended(settings, "slow"), 90,
+                   "the job whose chunk completion always times out to end", procs.logs)
+    assert (job["status"], job["error_code"]) == ("failed", "retry_budget_exhausted"), job
+    assert "statement timeout" in worker.log_text(), procs.logs()
+    wait_for(lambda: not query(settings.database_url,
+                               "SELECT 1 FROM outbox WHERE published_at IS NULL"),
+             60, "the job.failed event published", procs.logs)
+    failed = [m for m in read_topic(settings, settings.topic("job.failed"))
+              if m.key().decode() == str(job["job_id"])]
+    assert len(failed) == 1, failed
+    assert not query(settings.database_url, "SELECT 1 FROM job_stage WHERE job_id = %s AND "
+                     "stage = 'chunk' AND status = 'succeeded'", (job["job_id"],))

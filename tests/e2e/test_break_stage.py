@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import os
+import signal
 
 import psycopg
 import pytest
@@ -133,3 +135,39 @@ def test_a_one_transaction_completion_over_statement_timeout_ends_in_the_retry_b
     assert len(failed) == 1, failed
     assert not query(settings.database_url, "SELECT 1 FROM job_stage WHERE job_id = %s AND "
                      "stage = 'chunk' AND status = 'succeeded'", (job["job_id"],))
+
+
+def test_a_lone_worker_frozen_inside_a_one_transaction_stage_finishes_the_job_when_resumed(
+        settings: Settings, procs: ProcessRunner) -> None:
+    """The only worker freezes inside a one-transaction stage past its lease: Postgres ends its
+    session (``idle_in_transaction_session_timeout``), the claim rolls back. No other worker
+    takes over. On SIGCONT its completion meets the dead session: that is an outage (retry
+    the event), not a bug -- the job must still succeed, once, not be dead-lettered
+    (``unhandled``) with the job left open, nor failed."""
+    procs.start("relay")
+    frozen = procs.start("worker", JOBSTREAM_STAGE_ONE_TRANSACTION="true", JOBSTREAM_LEASE_S="3",
+                         JOBSTREAM_FAULT="stage_inside_one_transaction@1=stop")
+    ev = _uploaded("paused", "A document. The worker pauses inside its extract transaction.")
+    produce_raw(settings, settings.topic("document.uploaded"), [(b"paused", encode_event(ev))])
+    try:
+        wait_for(lambda: "SIGSTOP" in frozen.log_text(), 60,
+                 "the worker to freeze inside a one-transaction stage", procs.logs)
+        wait_for(lambda: not query(settings.database_url,
+                                   "SELECT 1 FROM pg_stat_activity WHERE datname = "
+                                   "current_database() AND state LIKE 'idle in transaction%%'"),
+                 60, "Postgres to end the frozen worker's session", procs.logs)
+    finally:
+        os.kill(frozen.popen.pid, signal.SIGCONT)
+    job = wait_for(lambda: _ended(settings, "paused"), 90, "the job to end", procs.logs)
+    assert (job["status"], job["error_code"]) == ("succeeded", None), (job, procs.logs())
+    stages = query(settings.database_url, "SELECT stage, status, attempt FROM job_stage "
+                   "WHERE job_id = %s AND stage <> 'intake'", (job["job_id"],))
+    assert {s["status"] for s in stages} == {"succeeded"} and len(stages) == 5, stages
+    assert read_topic(settings, settings.topic("job.accepted.dlq")) == []
+    wait_for(lambda: not query(settings.database_url,
+                               "SELECT 1 FROM outbox WHERE published_at IS NULL"),
+             60, "every event published", procs.logs)
+    ready = [m for m in read_topic(settings, settings.topic("job.ready"))
+             if m.key().decode() == str(job["job_id"])]
+    assert len(ready) == 1, ready
+    assert frozen.popen.poll() is None, procs.logs()

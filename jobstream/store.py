@@ -313,7 +313,10 @@ class Store:
         try:
             with self.connection() as conn, conn.transaction():
                 yield conn
-        except psycopg.OperationalError as exc:
+        except (psycopg.OperationalError,
+                # The session was ended under a paused process (one_transaction_idle_limit):
+                # an outage to retry, though SQLSTATE class 25 makes it an InternalError.
+                psycopg.errors.IdleInTransactionSessionTimeout) as exc:
             raise RetryableError(f"database unavailable: {exc}", code="db_unavailable") from None
         except psycopg.errors.SerializationFailure as exc:
             raise RetryableError(f"serialization failure: {exc}", code="db_conflict") from None

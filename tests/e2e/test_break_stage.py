@@ -160,6 +160,7 @@ def test_a_lone_worker_frozen_inside_a_one_transaction_stage_finishes_the_job_wh
         os.kill(frozen.popen.pid, signal.SIGCONT)
     job = wait_for(lambda: _ended(settings, "paused"), 90, "the job to end", procs.logs)
     assert (job["status"], job["error_code"]) == ("succeeded", None), (job, procs.logs())
+    assert "database unavailable" in frozen.log_text(), procs.logs()  # it met the dead session
     stages = query(settings.database_url, "SELECT stage, status, attempt FROM job_stage "
                    "WHERE job_id = %s AND stage <> 'intake'", (job["job_id"],))
     assert {s["status"] for s in stages} == {"succeeded"} and len(stages) == 5, stages

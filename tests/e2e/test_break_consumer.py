@@ -23,7 +23,7 @@ from jobstream.kafka import group_lag
 from jobstream.producer import produce_raw
 from jobstream.settings import Settings
 from schemas.events import DocumentAnalysis, JobReady, JobReadyPayload, encode_event
-from tests.helpers import ProcessRunner, query, wait_for
+from tests.helpers import ProcessRunner, query, read_topic, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -53,11 +53,16 @@ def _applied(settings: Settings) -> dict[str, int]:
     return out
 
 
+@pytest.mark.parametrize("first", [20, 1], ids=["batch", "single"])
 def test_a_consumer_frozen_inside_its_batch_transaction_does_not_hold_the_partitions(
-        settings: Settings, procs: ProcessRunner) -> None:
+        settings: Settings, procs: ProcessRunner, first: int) -> None:
+    """``single``: the first fetch is one message (the per-message path); with
+    ``poison_after`` = 1 the dead session met on resume must count as an outage, not as a
+    handler error that dead-letters a valid event."""
     events = [_ready(f"e{i}") for i in range(20)]
-    _produce(settings, events)
-    idle = {"JOBSTREAM_CONSUMER_TRANSACTION_IDLE_TIMEOUT_S": "3"}
+    _produce(settings, events[:first])
+    idle = {"JOBSTREAM_CONSUMER_TRANSACTION_IDLE_TIMEOUT_S": "3",
+            "JOBSTREAM_CONSUMER_POISON_AFTER": "1"}
     frozen = procs.start("consume-ready", name="consumer-frozen", **idle,
                          JOBSTREAM_FAULT="consumer_inside_transaction=stop")
     try:
@@ -65,6 +70,7 @@ def test_a_consumer_frozen_inside_its_batch_transaction_does_not_hold_the_partit
                  "the consumer to freeze inside its transaction", procs.logs)
         assert _applied(settings) == {}  # nothing committed yet
         procs.start("consume-ready", name="consumer-next", **idle)
+        _produce(settings, events[first:])
         wait_for(lambda: len(_applied(settings)) == 20, 60,
                  "the next owner of the partitions to apply every event while the first "
                  "consumer is frozen inside its transaction", procs.logs)
@@ -80,5 +86,6 @@ def test_a_consumer_frozen_inside_its_batch_transaction_does_not_hold_the_partit
     assert set(_applied(settings).values()) == {1}, _applied(settings)
     n = query(settings.database_url, "SELECT count(*) AS n FROM processed_event")[0]["n"]
     assert n == 25
+    assert read_topic(settings, settings.topic("job.ready.dlq")) == []
     assert all(p.popen.poll() is None for p in procs.procs), procs.logs()
     assert "Traceback" not in "".join(p.log_text() for p in procs.procs), procs.logs()

@@ -65,7 +65,14 @@ from psycopg.rows import DictRow, dict_row, tuple_row
 
 from consumers.ddl import create_tables
 from consumers.headers import HEADERS_UNREADABLE, read_headers
-from consumers.routing import HANDLER_ERROR, DeadLetterSink, FailureCounter, classify, describe
+from consumers.routing import (
+    DB_OUTAGE,
+    HANDLER_ERROR,
+    DeadLetterSink,
+    FailureCounter,
+    classify,
+    describe,
+)
 from consumers.settings import ConsumerSettings
 from schemas.errors import PoisonMessage, RetryableError
 from schemas.events import decode_event
@@ -553,7 +560,7 @@ class IdempotentConsumer:
                 return True
             except Exception as exc:  # rolled back: decide, never skip silently
                 kind, code = classify(exc)
-                outage = isinstance(exc, psycopg.OperationalError)
+                outage = isinstance(exc, DB_OUTAGE)
                 if outage:
                     _call(self.hooks.db_failed, exc)  # one line per outage, not per retry
                     if self._conn is not None:
@@ -623,7 +630,7 @@ class IdempotentConsumer:
         while not self._stop.is_set():
             try:
                 self.process_batch(msgs)
-            except psycopg.OperationalError as exc:
+            except DB_OUTAGE as exc:
                 _call(self.hooks.db_failed, exc)
                 log.debug("batch failed (%s); retrying", exc)
                 if self._conn is not None:

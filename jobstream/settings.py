@@ -466,6 +466,8 @@ class Settings(BaseSettings):
             if isinstance(value, dict):
                 value = {(f"**********({i})" if isinstance(k, SecretStr) else k): v
                          for i, (k, v) in enumerate(value.items(), 1)}
+            elif name == "database_dsn":
+                value = masked_database_url(self.database_url)
             elif isinstance(value, SecretStr):
                 value = "**********"
             out[name] = value
@@ -499,6 +501,21 @@ class Settings(BaseSettings):
 
 
 @lru_cache(maxsize=1)
+def masked_database_url(url: str) -> str:
+    """``url`` (a libpq URL or ``key=value`` string) as ``postgresql://user:**********@host:port
+    /dbname``: which database, never its password (nor any other parameter, which may hold
+    one). An unparseable value is masked whole (``**********``)."""
+    from psycopg.conninfo import conninfo_to_dict
+    try:
+        d = conninfo_to_dict(url)
+    except Exception:  # noqa: BLE001 - whatever libpq refuses, print nothing of it
+        return "**********"
+    user = f"{d.get('user', '')}:**********@" if d.get("password") else (
+        f"{d['user']}@" if d.get("user") else "")
+    port = f":{d['port']}" if d.get("port") else ""
+    return f"postgresql://{user}{d.get('host', '')}{port}/{d.get('dbname', '')}"
+
+
 def get_settings() -> Settings:
     """The process-wide settings, read once from the environment."""
     return Settings()

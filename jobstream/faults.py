@@ -11,7 +11,9 @@ yet), ``llm_after_provider_before_checkpoint`` (every chunk answered and saved, 
 checkpoint not written yet), ``stage_inside_one_transaction`` (a one-transaction stage's work
 done, its completion not written, the job row locked), ``stage_after_commit_before_offset``,
 ``relay_after_produce_before_mark`` (also ``relay_after_produce_before_mark:<event_type>``, hit
-once per event type in the batch), ``consumer_after_apply_before_offset``.
+once per event type in the batch), ``consumer_after_apply_before_offset``,
+``consumer_inside_transaction`` (the idempotent consumer's handler ran, its transaction, with
+the batch's ``processed_event`` rows, not committed yet).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ POINTS = (
     "stage_after_commit_before_offset",
     "relay_after_produce_before_mark",
     "consumer_after_apply_before_offset",
+    "consumer_inside_transaction",
 )
 _hits: Counter[str] = Counter()
 

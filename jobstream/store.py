@@ -314,7 +314,10 @@ class Store:
         try:
             with self.connection() as conn, conn.transaction():
                 yield conn
-        except psycopg.OperationalError as exc:
+        except (psycopg.OperationalError,
+                # The session was ended under a paused process (one_transaction_idle_limit):
+                # an outage to retry, though SQLSTATE class 25 makes it an InternalError.
+                psycopg.errors.IdleInTransactionSessionTimeout) as exc:
             raise RetryableError(f"database unavailable: {exc}", code="db_unavailable") from None
         except psycopg.errors.SerializationFailure as exc:
             raise RetryableError(f"serialization failure: {exc}", code="db_conflict") from None
@@ -489,7 +492,9 @@ class Store:
         the caller ends the run as after a two-transaction claim (fail, release, cancel), so
         failure paths do not change. A crash during ``work`` rolls the claim back: the
         redelivered event claims again. Returns ``(claim result, None)`` otherwise (the run
-        completed when the result is a :class:`Claim`). Raises :class:`StaleRun` like
+        completed when the result is a :class:`Claim`). When Postgres refuses the completion
+        (``invalid_data``, a constraint...), the claim rolls back with it and is made again
+        alone: ``(claim, exception)``. Raises :class:`StaleRun` like
         :meth:`complete` (not expected: the lock is held).
 
         The transaction may stay idle at most ``lease_s`` seconds
@@ -503,9 +508,11 @@ class Store:
                 conn.execute(Q["one_transaction_idle_limit"],
                              {"ms": str(int(float(claim_kw["lease_s"]) * 1000))})
                 return self.claim_and_complete_in(conn, work, **claim_kw)
-        except PoisonMessage as exc:
-            # Postgres refused the completion's data (invalid_data): the claim rolled back with
-            # it. Claim again, alone, so the run ends like a two-transaction one (job failed).
+        except (PoisonMessage, psycopg.Error) as exc:
+            # Postgres refused the completion (its data: invalid_data; or anything else it
+            # raises that is not an outage, e.g. a constraint): the claim rolled back with it.
+            # Claim again, alone, so the run ends like a two-transaction one (job failed)
+            # instead of leaving the job open with no run to end it.
             return self.claim(**claim_kw), exc
 
     def claim_and_complete_in(self, conn: Conn, work: Callable[[Claim], dict[str, Any]],
@@ -543,8 +550,9 @@ class Store:
                 try:
                     with conn.transaction():  # a savepoint
                         out.append(step(conn))
-                except (psycopg.OperationalError, psycopg.errors.InFailedSqlTransaction):
-                    raise  # the session is gone: the whole transaction fails
+                except (psycopg.OperationalError, psycopg.errors.InFailedSqlTransaction,
+                        psycopg.errors.IdleInTransactionSessionTimeout):
+                    raise  # the session is gone: the whole transaction fails (an outage)
                 except Exception:  # noqa: BLE001 - rolled back to the savepoint; run alone
                     out.append(None)
         return out

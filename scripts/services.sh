@@ -1003,6 +1003,15 @@ cmd_down() {
 cmd_restart() {
   local svc=$1 immediate=${2:-0} t0
   take_lock
+  # Restarting a service this script did not start would stop nothing and start nothing while
+  # reporting success (a fault test would then test no fault): refuse instead.
+  local foreign=
+  case $svc in
+    kafka) if ! kafka_our_pid >/dev/null && kafka_answers "$BOOTSTRAP"; then foreign=$BOOTSTRAP; fi ;;
+    postgres) if ! pg_running && pg_answers "$DB_URL"; then foreign=$DB_URL; fi ;;
+    connect) if ! connect_our_pid >/dev/null && connect_answers; then foreign=$CONNECT_URL; fi ;;
+  esac
+  [[ -z $foreign ]] || die "$svc at $foreign was not started by this script (JOBSTREAM_HOME=$JOBSTREAM_HOME): nothing to restart here; restart it with what started it, or point JOBSTREAM_HOME at its state"
   t0=$(now)
   if [[ $svc == connect ]]; then
     down_connect "$immediate"

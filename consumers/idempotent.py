@@ -535,11 +535,13 @@ class IdempotentConsumer:
         types = [e.event_type for e in events]
         with _shape_changed(self):
             if self._key_digest:
-                new = set(cur.execute(
+                digests = [self._digest(t, k) for t, k in zip(types, keys, strict=True)]
+                by_digest = dict(zip(digests, zip(keys, types, strict=True), strict=True))
+                # The new rows' digests come back (16 bytes each, binary), not their texts.
+                new = {by_digest[d] for d, in cur.execute(
                     sql.SQL(RECORD_PROCESSED_BATCH_DIGEST).format(table=self._table),
-                    (self.group, [self._digest(t, k) for t, k in zip(types, keys, strict=True)],
-                     keys, types, [e.event_id for e in events],
-                     [e.job_id for e in events])).fetchall())
+                    (self.group, digests, keys, types, [e.event_id for e in events],
+                     [e.job_id for e in events]), binary=True).fetchall()}
             else:
                 new = set(cur.execute(sql.SQL(RECORD_PROCESSED_BATCH).format(table=self._table), (
                     self.group, keys, types, [e.event_id for e in events],
@@ -848,4 +850,4 @@ SELECT u.key_digest, %b, u.dedup_key, u.event_type, u.event_id, u.job_id
        AS u(key_digest, dedup_key, event_type, event_id, job_id)
  ORDER BY u.key_digest
 ON CONFLICT (key_digest) DO NOTHING
-RETURNING dedup_key, event_type"""
+RETURNING key_digest"""

@@ -317,7 +317,12 @@ def scenario(base: Settings, n: int, dup_pct: float, args: Any) -> dict[str, Any
             "raw_consume_commit": raw,
             "consume_decode_commit": dec, "at_least_once_apply": alo, "idempotent_apply": idem,
             "rounds": {"at_least_once_events_per_s": [x["events_per_s"] for x in alo_runs],
-                       "idempotent_events_per_s": [x["events_per_s"] for x in idem_runs]},
+                       "idempotent_events_per_s": [x["events_per_s"] for x in idem_runs],
+                       "at_least_once_cpu_us_per_msg": [cpu_total(x) for x in alo_runs],
+                       "idempotent_cpu_us_per_msg": [cpu_total(x) for x in idem_runs],
+                       "idempotent_postgres_us_per_msg": [
+                           x["cpu_us_per_msg"]["postgres_backend"] for x in idem_runs]},
+            "dedup_table": args.dedup_table,
             "idempotent_vs_raw_ratio": round(idem["events_per_s"] / raw["events_per_s"], 3),
             "idempotent_vs_at_least_once_ratio": round(
                 idem["events_per_s"] / alo["events_per_s"], 3),

@@ -52,6 +52,7 @@ import gc
 import hashlib
 import logging
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -708,7 +709,9 @@ class IdempotentConsumer:
         With ``settings.decode_ahead`` (and ``max_batch`` > 1) the next batch is fetched
         before the current one is applied and decoded in a second thread meanwhile (the Kafka
         consumer and Postgres are used from this thread only); a batch fetched but not applied
-        when the consumer stops is not acknowledged (it is delivered again).
+        when the consumer stops is not acknowledged (it is delivered again). Meanwhile the
+        interpreter's GIL switch interval is ``settings.switch_interval_s`` and, with
+        ``settings.gc_tuning``, the collector is tuned (both process-wide, both restored).
 
         Raises
         ------
@@ -724,6 +727,12 @@ class IdempotentConsumer:
                    if ahead else None)
         pending: tuple[list[Message], Future[Any]] | None = None  # fetched, being decoded
         thresholds = gc.get_threshold()
+        switch = sys.getswitchinterval()
+        if ahead and self.settings.switch_interval_s is not None:
+            # Two threads want the GIL: the decode thread (CPU-bound while a batch is decoded)
+            # and this one, woken by each Postgres reply (about four per batch). At the default
+            # interval this one waited up to 5 ms for the GIL after every reply.
+            sys.setswitchinterval(self.settings.switch_interval_s)
         if self.settings.gc_tuning:
             # A batch of decoded events is ~14 container objects per event, alive until the
             # commit: at the default threshold (700) the cyclic collector ran every ~50 events
@@ -756,6 +765,7 @@ class IdempotentConsumer:
                 if not ok:
                     break
         finally:
+            sys.setswitchinterval(switch)
             if self.settings.gc_tuning:
                 gc.set_threshold(*thresholds)
                 gc.unfreeze()

@@ -6,6 +6,7 @@ its batch applied once)."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import uuid
 from typing import Any
@@ -51,6 +52,8 @@ def _ready(name: str) -> JobReady:
 
 
 def _consumer(settings: Settings, seen: dict[str, list[Any]]) -> IdempotentConsumer:
+    """The library standalone on ``SCHEMA``; its handler records each applied name in
+    ``seen.name`` and the interpreter's GIL switch interval in ``seen["switch"]``."""
     cs = ConsumerSettings(bootstrap_servers=settings.kafka_bootstrap_servers,
                           dsn=settings.database_url, group=settings.group("lib"),
                           db_schema=SCHEMA, topic_prefix=settings.topic_prefix,
@@ -62,6 +65,7 @@ def _consumer(settings: Settings, seen: dict[str, list[Any]]) -> IdempotentConsu
 
     @consumer.on(JobReady)
     def apply(tx: psycopg.Connection, event: JobReady) -> None:
+        seen.setdefault("switch", []).append(sys.getswitchinterval())
         tx.execute(f"INSERT INTO {SCHEMA}.seen VALUES (%s)",  # noqa: S608
                    (event.idempotency_key,))
 
@@ -136,6 +140,7 @@ def test_event_id_reused_by_another_dedup_key_is_dead_lettered_and_its_batch_app
         conn.commit()
     seen: dict[str, list[Any]] = {"applied": [], "duplicate": [], "dead": []}
     consumer = _consumer(settings, seen)
+    before = sys.getswitchinterval()
     x, y = _ready("x"), _ready("y")
     forged = x.model_copy(update={"dedup_key": "b" * 64, "idempotency_key": "forged"})
     produce_raw(settings, settings.topic("job.ready"),
@@ -152,3 +157,5 @@ def test_event_id_reused_by_another_dedup_key_is_dead_lettered_and_its_batch_app
     assert seen["duplicate"] == ["x"], seen
     assert seen["dead"] == ["event_id_conflict"], seen
     assert _seen_rows(settings) == ["x", "y"]
+    # decode_ahead: the GIL switch interval is switch_interval_s while run() runs, then restored
+    assert set(seen["switch"]) == {0.0005} and sys.getswitchinterval() == before, seen

@@ -43,6 +43,11 @@ def test_standalone_library_routes_applies_and_collects(settings: Settings) -> N
         ConfigEntry("max.message.bytes", "2000", incremental_operation=AlterConfigOpType.SET)])
     for fut in admin.incremental_alter_configs([res]).values():
         fut.result(30)
+
+    def limit_in_force() -> bool:  # the controller took it; wait until the broker applies it
+        (cfg,) = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, dlq)]).values()
+        return cfg.result(30)["max.message.bytes"].value == "2000"
+    wait_for(limit_in_force, 30, f"max.message.bytes=2000 in force on {dlq}")
     cs = ConsumerSettings(bootstrap_servers=settings.kafka_bootstrap_servers,
                           dsn=settings.database_url, group=settings.group("lib"),
                           db_schema=SCHEMA, topic_prefix=settings.topic_prefix,

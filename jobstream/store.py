@@ -313,6 +313,10 @@ class Store:
         try:
             with self.connection() as conn, conn.transaction():
                 yield conn
+        except psycopg.errors.LockNotAvailable as exc:  # a lock_timeout the caller set
+            raise RetryableError(f"a row this needs is locked by another transaction (a busy or "
+                                 f"frozen worker): {exc}".strip(), code="row_locked",
+                                 retry_after_s=5.0) from None
         except (psycopg.OperationalError,
                 # The session was ended under a paused process (one_transaction_idle_limit):
                 # an outage to retry, though SQLSTATE class 25 makes it an InternalError.

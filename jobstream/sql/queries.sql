@@ -151,6 +151,11 @@ SELECT 1 AS owns FROM job_stage s JOIN job j USING (job_id)
 -- cannot hold a job forever (issue 11). %(ms)s: milliseconds, as text.
 SELECT set_config('idle_in_transaction_session_timeout', %(ms)s, true);
 
+-- name: api_lock_timeout
+-- An API request never waits long on a job's row lock (a worker frozen inside a one-transaction
+-- stage holds it until its session is ended, up to the lease): 503 row_locked, retry instead.
+SET LOCAL lock_timeout = '3s';
+
 -- name: sweeper_lock_timeout
 -- The sweeper never waits long on a row lock (a frozen process may hold one for minutes): the
 -- job is skipped this pass instead of stalling every other one.

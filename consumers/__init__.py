@@ -2,7 +2,8 @@
 exactly once in your own service.
 
 Depends only on ``schemas`` (the event models), confluent-kafka, psycopg and pydantic-settings
-(``pip install 'jobstream[consumer]'``); nothing here imports ``jobstream``. See the README's
+(``pip install 'jobstream[consumer] @ git+<repository>'``: not on PyPI; the README says what
+else that installs); nothing here imports ``jobstream``. See the README's
 "Consume job.ready" section and ``examples/downstream_service/``.
 
 Examples

@@ -737,6 +737,9 @@ class IdempotentConsumer:
         if not self._handlers or not self._topics:
             raise ValueError("no handler registered: use @consumer.on(EventClass)")
         self._consumer.subscribe(self._topics)
+        log.info("consuming %s as group %s into %s (a new group starts at the earliest "
+                 "retained message unless kafka_extra sets auto.offset.reset)",
+                 ", ".join(self._topics), self.group, self._table.as_string(None))
         last_msg = time.monotonic()
         ahead = self.settings.decode_ahead and self.max_batch > 1
         decoder = (ThreadPoolExecutor(1, thread_name_prefix=f"decode-{self.group}")

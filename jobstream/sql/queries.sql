@@ -365,8 +365,14 @@ UPDATE job SET status = 'failed', error_code = %s, error = %s, finished_at = now
  WHERE job_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled');
 
 -- name: cancel_job
+-- current_stage becomes the stage the cancel stopped (cancel_stage, in the same transaction,
+-- before this), not the last one that succeeded; a job cancelled between stages keeps it.
 UPDATE job SET status = 'cancelled', error_code = 'cancelled_by_user', finished_at = now(),
-               updated_at = now()
+               updated_at = now(),
+               current_stage = coalesce((SELECT s.stage FROM job_stage s
+                                          WHERE s.job_id = job.job_id AND s.status = 'failed'
+                                            AND s.error_code = 'cancelled_by_user'
+                                          ORDER BY s.updated_at DESC LIMIT 1), current_stage)
  WHERE job_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled');
 
 -- name: get_document

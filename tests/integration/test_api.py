@@ -148,6 +148,13 @@ def test_cancelling_a_batch_mid_way_stops_provider_calls_and_ends_every_job(
         cancelled = query(settings.database_url,
                           "SELECT error_code FROM job WHERE status = 'cancelled'")
         assert {c["error_code"] for c in cancelled} == {"cancelled_by_user"}
+        # A job stopped during its LLM call shows the stage it was stopped at, not the last
+        # one that succeeded (chunk).
+        stopped = query(settings.database_url,
+                        "SELECT j.current_stage, s.stage FROM job j JOIN job_stage s "
+                        "USING (job_id) WHERE j.status = 'cancelled' "
+                        "AND s.error_code = 'cancelled_by_user'")
+        assert stopped and all(r["current_stage"] == r["stage"] for r in stopped), stopped
 
 
 def test_schemathesis_finds_no_server_errors_in_the_openapi_spec(api: str,

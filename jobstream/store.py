@@ -176,6 +176,26 @@ class IntakeResult:
 
 
 @dataclass(frozen=True)
+class IntakeIntent:
+    """One client intent for :meth:`Store.intake_batch`: the arguments of :meth:`Store.intake`
+    (``job``: the job row's columns; ``accepted``: ``job_id -> JobAccepted``; ``topic``: the
+    ``job.accepted`` topic, full name; ``restart``: ``(conn, job_id) -> bool``) and the span
+    of the event it came from (``None``: a new trace)."""
+
+    tenant_id: str
+    idempotency_key: str
+    request_hash: str
+    request_id: str
+    job: dict[str, Any]
+    content: bytes
+    accepted: Any
+    topic: str
+    extra: tuple[OutboxMessage, ...] = ()
+    restart: Any = None
+    span: tracing.SpanContext | None = None
+
+
+@dataclass(frozen=True)
 class Claim:
     """A claimed stage run: the fencing token (``run_token``), attempt number and lease end.
     The run's generation is ``job.generation`` (the job row read under the claim's lock):
@@ -444,6 +464,66 @@ class Store:
                 raise PoisonMessage(f"Postgres refused the request's data: {exc}"[:500],
                                     code="invalid_data") from None
         raise RetryableError("intake kept losing a uniqueness race", code="db_conflict")
+
+    def intake_batch(self, intents: Sequence[IntakeIntent]) -> list[IntakeResult | Exception]:
+        """Accept many client intents in ONE transaction: per intent exactly what
+        :meth:`intake` does (idempotency record, dedup key, job, ``intake`` checkpoint and the
+        ``job.accepted`` outbox row together), each in its own savepoint, so an intent Postgres
+        refuses (``invalid_data``), a key reused with another body
+        (:class:`~jobstream.errors.IdempotencyConflict`) or a bug in one intent rolls back that
+        intent alone and the others commit.
+
+        Returns one entry per intent, in the order given: its :class:`IntakeResult`, or the
+        exception that intent raised (nothing of it was written). Intents are written in
+        document-hash order (the intents of one key keep their order: the first wins), so
+        concurrent batches sharing documents lock rows in one order. The same key twice in a
+        batch is one job (the second is a replay), as in two transactions. When Postgres is
+        unreachable, or the commit fails, every intent that did not fail on its own gets a
+        :class:`RetryableError` (``db_unavailable``) or, when the commit itself was refused, is
+        accepted again one transaction per intent (:meth:`intake`).
+        """
+        out: list[IntakeResult | Exception | None] = [None] * len(intents)
+        if not intents:
+            return []
+        first: dict[tuple[str, str], str] = {}
+        for it in intents:
+            first.setdefault((it.tenant_id, it.idempotency_key), it.job["document_sha256"])
+        order = sorted(range(len(intents)), key=lambda i: (
+            intents[i].tenant_id, first[(intents[i].tenant_id, intents[i].idempotency_key)], i))
+        try:
+            with self.connection() as conn, conn.transaction():
+                for i in order:
+                    it = intents[i]
+                    span = it.span or tracing.start()
+                    with tracing.use(span):
+                        try:
+                            out[i] = self._intake_in(
+                                conn, it.tenant_id, it.idempotency_key, it.request_hash,
+                                it.request_id, {**it.job, "trace_id": span.trace_id},
+                                it.content, it.accepted, it.topic, list(it.extra), it.restart)
+                        except psycopg.OperationalError:
+                            raise
+                        except Exception as exc:  # its savepoint rolled back; the rest stands
+                            out[i] = exc
+                faults.point("intake_batch_before_commit")
+        except psycopg.OperationalError as exc:
+            err = RetryableError(f"database unavailable: {exc}", code="db_unavailable")
+            return [r if isinstance(r, PoisonMessage) else err for r in out]
+        except psycopg.Error:  # the COMMIT refused (e.g. a deferred constraint): one by one
+            return [r if isinstance(r, Exception) else self._intake_alone(it)
+                    for r, it in zip(out, intents, strict=True)]
+        return [r for r in out if r is not None]
+
+    def _intake_alone(self, it: IntakeIntent) -> IntakeResult | Exception:
+        """:meth:`intake` of one intent of a batch whose commit failed; its exception returned."""
+        try:
+            with tracing.use(it.span):
+                return self.intake(tenant_id=it.tenant_id, idempotency_key=it.idempotency_key,
+                                   request_hash=it.request_hash, request_id=it.request_id,
+                                   job=it.job, content=it.content, accepted=it.accepted,
+                                   topic=it.topic, extra=it.extra, restart=it.restart)
+        except Exception as exc:
+            return exc
 
     # ------------------------------------------------------------------ stages
 

@@ -87,6 +87,43 @@ def test_one_transaction_for_the_batch_and_a_refused_row_loses_only_itself(
         ctx.store.close()
 
 
+def test_new_intents_in_one_statement_per_table_and_the_rest_one_by_one(
+        settings: Settings) -> None:
+    """No refused row: the plainly new intents take the set-based path, the replays, reuses
+    and conflicts of the same batch the one-intent path after them, in one transaction."""
+    ctx = StageContext(settings, Store(settings.database_url, max_size=2))
+    try:
+        first = ctx.store.intake_batch([intake_intent(ctx, _uploaded("old", "known before"))])
+        assert isinstance(first[0], IntakeResult) and first[0].created
+        batch = [intake_intent(ctx, _uploaded(k, t)) for k, t in [
+            ("a", "doc a"), ("b", "doc b"), ("a", "doc a"), ("b2", "doc b"),
+            ("old", "known before"), ("a", "a's key, another body"), ("c", "doc c"),
+            ("old2", "known before")]]
+        out = ctx.store.intake_batch(batch)
+        res = [r if isinstance(r, IntakeResult) else type(r).__name__ for r in out]
+        a, b, a2, b2, old, conflict, c, old2 = res
+        assert isinstance(a, IntakeResult) and a.dedup == "new"
+        assert isinstance(b, IntakeResult) and b.dedup == "new"
+        assert isinstance(c, IntakeResult) and c.dedup == "new"
+        assert isinstance(a2, IntakeResult) and (a2.job_id, a2.dedup) == (a.job_id, "replayed")
+        assert isinstance(b2, IntakeResult) and (b2.job_id, b2.dedup) == (b.job_id, "reused")
+        assert isinstance(old, IntakeResult) and old.job_id == first[0].job_id
+        assert isinstance(old2, IntakeResult) and (old2.job_id, old2.dedup) == (
+            first[0].job_id, "reused")
+        assert conflict == "IdempotencyConflict"
+        url = settings.database_url
+        new_jobs = query(url, "SELECT created_at FROM job WHERE idempotency_key <> 'old'")
+        assert len(new_jobs) == 3 and len({j["created_at"] for j in new_jobs}) == 1
+        rows = query(url, "SELECT o.kafka_key, o.headers, s.emitted FROM outbox o JOIN job_stage"
+                          " s ON s.job_id::text = o.kafka_key AND s.stage = 'intake'"
+                          " WHERE o.event_type = 'job.accepted'")
+        assert len(rows) == 4
+        assert all(r["headers"]["traceparent"] and r["headers"]["job_id"] == r["kafka_key"]
+                   and r["emitted"]["document_sha256"] for r in rows), rows
+    finally:
+        ctx.store.close()
+
+
 def test_intake_batch_of_settings_defaults() -> None:
     s = Settings()
     assert s.intake_batch_max >= 1 and s.intake_batch_wait_s >= 0

@@ -528,6 +528,11 @@ class Store:
         intent takes the one-intent path, which tells them apart."""
         if len(order) < 2:
             return order
+        with conn.pipeline():  # fewer round trips: 3 instead of 8
+            return self._intake_fast_in(conn, intents, order, out)
+
+    def _intake_fast_in(self, conn: Conn, intents: Sequence[IntakeIntent], order: list[int],
+                        out: list[IntakeResult | Exception | None]) -> list[int]:
         known = {(r["tenant_id"], r["idempotency_key"]) for r in conn.execute(
             Q["intake_batch_known_keys"], ([intents[i].tenant_id for i in order],
                                            [intents[i].idempotency_key for i in order]))}

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, SecretStr, model_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 #: Where ``scripts/services.sh`` starts the project-local services.
@@ -55,7 +55,9 @@ class Settings(BaseSettings):
         10_000, ge=1000, description="Kafka consumer session timeout (milliseconds)."
     )
 
-    model_profile: str = Field("local", description="Default model profile for new jobs.")
+    model_profile: str = Field(
+        "local", description="Default model profile for new jobs: local, openai, ollama, vllm or "
+                             "custom (jobstream/llm/profiles.py).")
     pipeline: str = Field("document-analysis", description="Default pipeline name.")
     prompt_version: str = Field("analysis-v1", description="Default prompt version.")
     provider_base_url: str | None = Field(
@@ -401,6 +403,14 @@ class Settings(BaseSettings):
                                 "seconds without an event (seconds; proxies cut idle streams)."
     )
 
+    @field_validator("model_profile")
+    @classmethod
+    def _known_profile(cls, v: str) -> str:
+        from jobstream.llm.profiles import PROFILES
+        if v not in PROFILES:
+            raise ValueError(f"unknown model profile {v!r}; known: {', '.join(PROFILES)}")
+        return v
+
     @model_validator(mode="after")
     def _lease_outlives_heartbeats(self) -> Settings:
         """A lease must survive missed heartbeats: lease_s > 3 x lease_heartbeat_s."""
@@ -470,6 +480,8 @@ class Settings(BaseSettings):
             if isinstance(value, dict):
                 value = {(f"**********({i})" if isinstance(k, SecretStr) else k): v
                          for i, (k, v) in enumerate(value.items(), 1)}
+            elif name == "database_dsn":
+                value = masked_database_url(self.database_url)
             elif isinstance(value, SecretStr):
                 value = "**********"
             out[name] = value
@@ -503,6 +515,21 @@ class Settings(BaseSettings):
 
 
 @lru_cache(maxsize=1)
+def masked_database_url(url: str) -> str:
+    """``url`` (a libpq URL or ``key=value`` string) as ``postgresql://user:**********@host:port
+    /dbname``: which database, never its password (nor any other parameter, which may hold
+    one). An unparseable value is masked whole (``**********``)."""
+    from psycopg.conninfo import conninfo_to_dict
+    try:
+        d = conninfo_to_dict(url)
+    except Exception:  # noqa: BLE001 - whatever libpq refuses, print nothing of it
+        return "**********"
+    user = f"{d.get('user', '')}:**********@" if d.get("password") else (
+        f"{d['user']}@" if d.get("user") else "")
+    port = f":{d['port']}" if d.get("port") else ""
+    return f"postgresql://{user}{d.get('host', '')}{port}/{d.get('dbname', '')}"
+
+
 def get_settings() -> Settings:
     """The process-wide settings, read once from the environment."""
     return Settings()

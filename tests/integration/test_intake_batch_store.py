@@ -3,9 +3,11 @@ idempotent, and a row Postgres refuses in the middle costs only its own intent."
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
 import hashlib
+from typing import Any
 
 import psycopg
 import pytest
@@ -15,15 +17,15 @@ from jobstream.settings import Settings
 from jobstream.store import IntakeResult, Store
 from schemas.events import DocumentRef, DocumentUploaded, DocumentUploadedPayload
 from streams.context import StageContext
-from streams.intake import intake_intent
+from streams.intake import IntakeBatcher, intake_intent
 from tests.helpers import query
 
 pytestmark = pytest.mark.integration
 
 
-def _uploaded(key: str, text: str) -> DocumentUploaded:
+def _uploaded(key: str, text: str, sha256: str | None = None) -> DocumentUploaded:
     data = text.encode()
-    doc = DocumentRef(filename=f"{key}.txt", sha256=hashlib.sha256(data).hexdigest(),
+    doc = DocumentRef(filename=f"{key}.txt", sha256=sha256 or hashlib.sha256(data).hexdigest(),
                       size_bytes=len(data), content_b64=base64.b64encode(data).decode())
     return DocumentUploaded(tenant_id="acme", idempotency_key=key,
                             payload=DocumentUploadedPayload(document=doc))
@@ -128,3 +130,36 @@ def test_intake_batch_of_settings_defaults() -> None:
     s = Settings()
     assert s.intake_batch_max >= 1 and s.intake_batch_wait_s >= 0
     assert s.intake_batch_max_bytes >= s.max_inline_document_bytes
+
+
+def test_the_batcher_cuts_batches_by_count_and_bytes_and_answers_each_event(
+        settings: Settings) -> None:
+    """IntakeBatcher (the intake agent's handler) on real Postgres: concurrent events share a
+    transaction up to max_n events or max_bytes; a hostile event fails its own caller only."""
+    ctx = StageContext(settings, Store(settings.database_url, max_size=2))
+
+    async def burst(batcher: IntakeBatcher, events: list[DocumentUploaded]) -> list[Any]:
+        return await asyncio.gather(*(batcher.handle(ctx, ev) for ev in events),
+                                    return_exceptions=True)
+
+    try:
+        events = [_uploaded(f"n{i}", f"count doc {i}") for i in range(5)]
+        events.insert(2, _uploaded("bad-hash", "hash mismatch", sha256="0" * 64))
+        got = asyncio.run(burst(IntakeBatcher(ctx, max_n=2, wait_s=0.05, max_bytes=10**9),
+                                events))
+        assert isinstance(got[2], PoisonMessage) and got[2].code == "document_hash_mismatch"
+        assert all(isinstance(r, IntakeResult) and r.created for i, r in enumerate(got)
+                   if i != 2), got
+        rows = query(settings.database_url,
+                     "SELECT created_at FROM job WHERE left(idempotency_key, 1) = 'n'")
+        assert len(rows) == 5 and len({r["created_at"] for r in rows}) == 3  # n0 n1, bad n2, n3 n4
+
+        sized = [_uploaded(f"s{i}", f"bytes doc {i}") for i in range(3)]
+        got = asyncio.run(burst(IntakeBatcher(ctx, max_n=100, wait_s=0.05, max_bytes=1),
+                                sized))
+        assert all(isinstance(r, IntakeResult) and r.created for r in got), got
+        rows = query(settings.database_url,
+                     "SELECT created_at FROM job WHERE left(idempotency_key, 1) = 's'")
+        assert len({r["created_at"] for r in rows}) == 3  # one document per batch
+    finally:
+        ctx.store.close()

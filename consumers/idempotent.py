@@ -65,7 +65,14 @@ from psycopg.rows import DictRow, dict_row, tuple_row
 
 from consumers.ddl import create_tables
 from consumers.headers import HEADERS_UNREADABLE, read_headers
-from consumers.routing import HANDLER_ERROR, DeadLetterSink, FailureCounter, classify, describe
+from consumers.routing import (
+    DB_OUTAGE,
+    HANDLER_ERROR,
+    DeadLetterSink,
+    FailureCounter,
+    classify,
+    describe,
+)
 from consumers.settings import ConsumerSettings
 from schemas.errors import PoisonMessage, RetryableError
 from schemas.events import decode_event
@@ -96,7 +103,8 @@ class Hooks:
     ``on_dead_lettered(code, reason)`` (once the dead letter is durable). Runtime:
     ``db_ok()`` / ``db_failed(exc)`` (readiness), ``message_scope(headers, group)`` (a context
     manager around one message: log context, tracing), ``bind(**fields)`` (facts learnt once
-    decoded), ``after_apply()`` (after a commit, before the offsets are stored: a crash point).
+    decoded), ``after_apply()`` (after a commit, before the offsets are stored: a crash point),
+    ``in_transaction()`` (the handler ran, the transaction is not committed yet: a pause point).
     """
 
     on_applied: Callable[[Any], None] | None = None
@@ -107,6 +115,7 @@ class Hooks:
     message_scope: Callable[..., contextlib.AbstractContextManager[Any]] | None = None
     bind: Callable[..., None] | None = None
     after_apply: Callable[[], None] | None = None
+    in_transaction: Callable[[], None] | None = None
 
 
 def _call(hook: Callable[..., Any] | None, *args: Any, **kw: Any) -> None:
@@ -373,8 +382,13 @@ class IdempotentConsumer:
     def _db(self) -> psycopg.Connection[DictRow]:
         if self._conn is None or self._conn.closed:
             try:
-                self._conn = psycopg.connect(self.settings.dsn, row_factory=dict_row,
-                                             connect_timeout=10)
+                # A consumer frozen inside its transaction past this loses the session, so
+                # the batch's locks: the partitions' next owner does not wait for it.
+                ms = int(self.settings.transaction_idle_timeout_s * 1000)
+                options = psycopg.conninfo.conninfo_to_dict(self.settings.dsn).get("options")
+                self._conn = psycopg.connect(
+                    self.settings.dsn, row_factory=dict_row, connect_timeout=10,
+                    options=f"{options or ''} -c idle_in_transaction_session_timeout={ms}")
             except psycopg.OperationalError as exc:
                 _call(self.hooks.db_failed, exc)
                 raise
@@ -449,6 +463,7 @@ class IdempotentConsumer:
                     _call(self.hooks.on_duplicate, event)
                     return "duplicate"
                 self._handlers[event.event_type](conn, event)
+                _call(self.hooks.in_transaction)
         except (PoisonMessage, psycopg.DataError, UnicodeEncodeError) as exc:
             self._dead_letter(msg, classify(exc)[1], describe(exc))
             return "dead_lettered"
@@ -490,6 +505,7 @@ class IdempotentConsumer:
                     with conn.pipeline():
                         for _, ev in todo:
                             self._handlers[ev.event_type](conn, ev)
+                _call(self.hooks.in_transaction)
                 for i, ev in todo:
                     outcomes[i] = "applied"
                     applied.append(ev)
@@ -544,7 +560,7 @@ class IdempotentConsumer:
                 return True
             except Exception as exc:  # rolled back: decide, never skip silently
                 kind, code = classify(exc)
-                outage = isinstance(exc, psycopg.OperationalError)
+                outage = isinstance(exc, DB_OUTAGE)
                 if outage:
                     _call(self.hooks.db_failed, exc)  # one line per outage, not per retry
                     if self._conn is not None:
@@ -614,7 +630,7 @@ class IdempotentConsumer:
         while not self._stop.is_set():
             try:
                 self.process_batch(msgs)
-            except psycopg.OperationalError as exc:
+            except DB_OUTAGE as exc:
                 _call(self.hooks.db_failed, exc)
                 log.debug("batch failed (%s); retrying", exc)
                 if self._conn is not None:

@@ -62,6 +62,12 @@ class ConsumerSettings(BaseSettings):
                                                 "max_message_bytes (bytes).")
     session_timeout_ms: int = Field(10_000, ge=1000,
                                     description="Kafka consumer session timeout (ms).")
+    transaction_idle_timeout_s: float = Field(
+        60.0, gt=0, description="Postgres ends the consumer's session when its transaction "
+                                "sits idle this long (idle_in_transaction_session_timeout, "
+                                "seconds): a consumer frozen mid-batch (SIGSTOP, VM pause) "
+                                "then no longer holds the batch's processed_event rows, which "
+                                "the partitions' next owner waits for.")
     kafka_extra: dict[str, Any] = Field(default_factory=dict,
                                         description="librdkafka options passed verbatim.")
 

@@ -12,7 +12,9 @@ checkpoint not written yet), ``stage_inside_one_transaction`` (a one-transaction
 done, its completion not written, the job row locked), ``stage_after_commit_before_offset``,
 ``intake_batch_before_commit`` (an intake batch's intents written, its transaction not committed),
 ``relay_after_produce_before_mark`` (also ``relay_after_produce_before_mark:<event_type>``, hit
-once per event type in the batch), ``consumer_after_apply_before_offset``.
+once per event type in the batch), ``consumer_after_apply_before_offset``,
+``consumer_inside_transaction`` (the idempotent consumer's handler ran, its transaction, with
+the batch's ``processed_event`` rows, not committed yet).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ POINTS = (
     "intake_batch_before_commit",
     "relay_after_produce_before_mark",
     "consumer_after_apply_before_offset",
+    "consumer_inside_transaction",
 )
 _hits: Counter[str] = Counter()
 

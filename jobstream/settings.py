@@ -235,6 +235,14 @@ class Settings(BaseSettings):
     relay_poll_interval_s: float = Field(
         1.0, gt=0, description="Relay polling fallback when no NOTIFY arrives (seconds)."
     )
+    relay_lock_timeout_s: float = Field(
+        120.0, ge=3, description="Relay: Postgres ends the active relay's lock session after "
+                                 "this long without a statement (idle_session_timeout; the "
+                                 "relay runs one at least every third of it), so a relay "
+                                 "frozen (SIGSTOP, VM pause) longer loses its lock and a "
+                                 "standby takes over (seconds; keep it above the 60 s a "
+                                 "delivery flush may take)."
+    )
     outbox_retention_s: float = Field(
         7 * 24 * 3600.0, ge=0, description="Retention: published outbox rows are deleted this "
                                            "long after they were published (seconds)."

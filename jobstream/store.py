@@ -333,7 +333,10 @@ class Store:
         try:
             with self.connection() as conn, conn.transaction():
                 yield conn
-        except psycopg.OperationalError as exc:
+        except (psycopg.OperationalError,
+                # The session was ended under a paused process (one_transaction_idle_limit):
+                # an outage to retry, though SQLSTATE class 25 makes it an InternalError.
+                psycopg.errors.IdleInTransactionSessionTimeout) as exc:
             raise RetryableError(f"database unavailable: {exc}", code="db_unavailable") from None
         except psycopg.errors.SerializationFailure as exc:
             raise RetryableError(f"serialization failure: {exc}", code="db_conflict") from None
@@ -662,7 +665,9 @@ class Store:
         the caller ends the run as after a two-transaction claim (fail, release, cancel), so
         failure paths do not change. A crash during ``work`` rolls the claim back: the
         redelivered event claims again. Returns ``(claim result, None)`` otherwise (the run
-        completed when the result is a :class:`Claim`). Raises :class:`StaleRun` like
+        completed when the result is a :class:`Claim`). When Postgres refuses the completion
+        (``invalid_data``, a constraint...), the claim rolls back with it and is made again
+        alone: ``(claim, exception)``. Raises :class:`StaleRun` like
         :meth:`complete` (not expected: the lock is held).
 
         The transaction may stay idle at most ``lease_s`` seconds
@@ -685,9 +690,11 @@ class Store:
                 faults.point("stage_inside_one_transaction")
                 self._complete_in(conn, got, locked=True, **done)
                 return got, None
-        except PoisonMessage as exc:
-            # Postgres refused the completion's data (invalid_data): the claim rolled back with
-            # it. Claim again, alone, so the run ends like a two-transaction one (job failed).
+        except (PoisonMessage, psycopg.Error) as exc:
+            # Postgres refused the completion (its data: invalid_data; or anything else it
+            # raises that is not an outage, e.g. a constraint): the claim rolled back with it.
+            # Claim again, alone, so the run ends like a two-transaction one (job failed)
+            # instead of leaving the job open with no run to end it.
             return self.claim(**claim_kw), exc
 
     def _claim_in(self, conn: Conn, *, job_id: uuid.UUID, stage: str, group: str,

@@ -547,6 +547,17 @@ SET LOCAL synchronous_commit TO on;
 -- name: outbox_mark_published
 UPDATE outbox SET published_at = now() WHERE id = ANY(%s);
 
+-- name: relay_lock_session_timeout
+-- The relay's lock session is ended by Postgres after %(ms)s milliseconds (text) idle, in or out
+-- of a transaction: a relay frozen (SIGSTOP, VM pause) longer loses its advisory lock, so a
+-- standby takes over instead of the outbox waiting for as long as the process is frozen.
+SELECT set_config('idle_session_timeout', %(ms)s, false),
+       set_config('idle_in_transaction_session_timeout', %(ms)s, false);
+
+-- name: relay_touch
+-- The active relay's sign of life on its lock session (see relay_lock_session_timeout).
+SELECT 1 AS alive;
+
 -- name: relay_try_lock
 -- One active relay (others stand by): a session-level advisory lock held while relaying.
 SELECT pg_try_advisory_lock(%s) AS locked;

@@ -18,11 +18,12 @@ Examples
 >>> consumer.run_forever()     # doctest: +SKIP
 """
 
-from consumers.ddl import create_tables, ddl
+from consumers.ddl import create_tables, ddl, key_digest, upgrade_tables
 from consumers.idempotent import ConsumerStats, Hooks, IdempotentConsumer
 from consumers.routing import DeadLetterSink, classify
 from consumers.settings import ConsumerSettings
 from schemas.errors import PoisonMessage, RetryableError
 
 __all__ = ["ConsumerSettings", "ConsumerStats", "DeadLetterSink", "Hooks", "IdempotentConsumer",
-           "PoisonMessage", "RetryableError", "classify", "create_tables", "ddl"]
+           "PoisonMessage", "RetryableError", "classify", "create_tables", "ddl", "key_digest",
+           "upgrade_tables"]

@@ -909,12 +909,14 @@ class Store:
 
     def give_up(self, *, job_id: uuid.UUID, stage: str, error_code: str, error: str,
                 group: str, event_type: str, event_id: uuid.UUID, dedup_key: str,
-                failed_msg: OutboxMessage) -> bool:
+                failed_msg: OutboxMessage, generation: int) -> bool:
         """Fail an open job whose stage event exhausted its retry budget (ONE transaction,
-        with ``job.failed``). Returns False when the job was already terminal."""
+        with ``job.failed``). Fenced by ``generation`` (the event's): an event from before a
+        redrive fails nothing, like any other write of a superseded generation. Returns False
+        when the job was already terminal or the event is of another generation."""
         with self.tx() as conn:
             job = conn.execute(Q["get_job_for_update"], (job_id,)).fetchone()
-            if job is None or job["status"] in TERMINAL:
+            if job is None or job["status"] in TERMINAL or job["generation"] != generation:
                 return False
             conn.execute(Q["fail_open_job"], (error_code, error[:4000], job_id, stage))
             conn.execute(Q["fail_job"], (error_code, error[:4000], job_id))

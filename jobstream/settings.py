@@ -142,6 +142,20 @@ class Settings(BaseSettings):
     llm_concurrency: int = Field(
         4, ge=1, description="Chunk-stage events one worker's LLM agent runs at once."
     )
+    intake_batch_max: int = Field(
+        100, ge=1, description="document.uploaded events one worker's intake agent takes at "
+        "once and accepts in ONE Postgres transaction (a savepoint per intent; "
+        "streams/intake.py). 1: a transaction per event.",
+    )
+    intake_batch_wait_s: float = Field(
+        0.005, ge=0, description="How long the first event of an intake batch waits for "
+        "others before the batch commits (seconds); events that arrive while a batch commits "
+        "form the next one without waiting.",
+    )
+    intake_batch_max_bytes: int = Field(
+        16 * 1024 * 1024, ge=1, description="An intake batch is cut once its documents' "
+        "declared sizes reach this many bytes (one document alone may be larger).",
+    )
     provider_max_concurrency: int = Field(
         8, ge=1, description="Provider calls in flight over ALL workers and both lanes, per "
                              "remote profile: the AIMD limit's ceiling."

@@ -29,6 +29,7 @@ until acknowledged), whatever the agent's concurrency.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import random
 import time
@@ -169,8 +170,14 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
         attempt = 0
         while True:
             try:
-                outcome = await (runner(ev) if runner is not None
-                                 else asyncio.to_thread(handler, ctx, ev))
+                # A runner (group commit) or an async handler (intake's batcher) awaits its
+                # own work; other handlers run in a thread.
+                if runner is not None:
+                    outcome = await runner(ev)
+                elif inspect.iscoroutinefunction(handler):
+                    outcome = await handler(ctx, ev)
+                else:
+                    outcome = await asyncio.to_thread(handler, ctx, ev)
                 log.info("%s %s job=%s round=%d -> %s", name, ev.event_type,
                          getattr(ev, "job_id", "-"), round_no, outcome)
                 return

@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import re
 import threading
 import time
 import uuid
@@ -270,6 +271,8 @@ def drain(settings: Settings, args: argparse.Namespace, logdir: Path, label: str
         # CPU of the relay process(es) over their whole life (start-up included) per 1k rows:
         # less sensitive to the machine's load than the rate.
         "relay_cpu_ms_per_1k_rows": round(relay_cpu * 1e6 / n, 1),
+        "relay_transactions_per_event": relay_transactions_per_event(
+            logdir / f"{label}-relay0.log"),
         "messages_on_topic": col.copies,
         "relays_that_stood_by": sum("standing by" in t for t in logs),
         "writers": {"processes": args.writers, "rows_per_tx": rows_per_tx,
@@ -348,6 +351,17 @@ def wait_relay_active(settings: Settings, topic: str, timeout_s: float = 60.0) -
     wait_drained(settings.database_url, timeout_s)
 
 
+def relay_transactions_per_event(logfile: Path) -> float | None:
+    """Postgres transactions of the relay's publishing path per event published, from the
+    ``relay stopped: RelayStats(...)`` line a relay logs at INFO (None when absent)."""
+    text = logfile.read_text(errors="replace") if logfile.exists() else ""
+    found = re.findall(r"relay stopped: RelayStats\(published=(\d+).*?transactions=(\d+)", text)
+    if not found:
+        return None
+    published, tx = map(int, found[-1])
+    return round(tx / max(published, 1), 3)
+
+
 def latency_writers(args: argparse.Namespace, rate: float) -> int:
     """Writer processes for an offered load: ``--latency-writers`` per 1,000 events/s (one
     row per transaction; one process commits ~1-2k/s here)."""
@@ -361,7 +375,7 @@ def latency(settings: Settings, args: argparse.Namespace, logdir: Path,
     create_topics(settings, [topic], partitions=settings.topic_partitions, config=TOPIC_CONFIG)
     n = int(rate * args.seconds)
     writers = latency_writers(args, rate)
-    relay = start_cli(settings, logdir, f"latency{rate:.0f}-relay", "relay")
+    relay = start_cli(settings, logdir, f"latency{rate:.0f}-relay", "relay", log_level="info")
     try:
         wait_relay_active(settings, topic)
         col = Collector(settings, topic, n + 1, settings.topic_partitions,  # + the probe
@@ -397,6 +411,8 @@ def latency(settings: Settings, args: argparse.Namespace, logdir: Path,
         "commit_to_kafka": latency_summary(lat),
         "commit_returned_to_kafka": latency_summary(lat_commit),
         "raw_produce_to_kafka": latency_summary(raw_lat),
+        "relay_transactions_per_event": relay_transactions_per_event(
+            logdir / f"latency{rate:.0f}-relay.log"),
         "_lat": lat, "_raw_lat": raw_lat,
     }
 

@@ -103,9 +103,12 @@ class RelayStats:
     """Counters of one relay process (rows published, batches, failed deliveries)."""
 
     published: int = 0
-    batches: int = 0  # mark statements
+    batches: int = 0  # deletes of acknowledged rows (alone or with a fetch)
     failed: int = 0
     parked: int = 0
+    #: Postgres transactions of the publishing path (fetches, deletes, parks; not the
+    #: sweeper's or retention's): bench.relay reports them per event.
+    transactions: int = 0
     started_at: float = field(default_factory=time.monotonic)
 
 
@@ -133,6 +136,7 @@ class Marker(threading.Thread):
         self._queue: queue.Queue[tuple[list[int], float] | None] = queue.Queue()
         self.marking: set[int] = set()
         self.error: Exception | None = None
+        self.transactions = 0  # statements run (one autocommit transaction each)
 
     def submit(self, ids: list[int], at: float) -> None:
         """Queue the delete of ``ids`` (acknowledged at ``at``, epoch seconds); raises the
@@ -151,6 +155,7 @@ class Marker(threading.Thread):
             ids, at = item
             try:
                 if self.error is None:
+                    self.transactions += 1
                     self._conn.execute(self._query, delete_params(ids, at, self._log))
             except Exception as exc:  # re-raised in the relay's loop
                 self.error = exc
@@ -273,6 +278,7 @@ class OutboxRelay:
         now = time.monotonic()
         if self._draining and now - self._last_rescan < st.relay_rescan_s:
             self.mark(conn)  # on the marker thread: rows after _hwm only are read here
+            self.stats.transactions += 1
             with conn.cursor(row_factory=tuple_row) as cur:
                 rows = cur.execute(Q["outbox_fetch_after"], (self._hwm, n)).fetchall()
         else:
@@ -292,6 +298,7 @@ class OutboxRelay:
             # skipped), then new rows after the last id. One round trip, one transaction.
             ids = self._take_acked()
             skip = list(pending.keys() | marking | set(ids))
+            self.stats.transactions += 1
             with conn.cursor(row_factory=tuple_row) as cur:
                 rows = cur.execute(Q["outbox_delete_and_fetch"],
                                    {"floor": floor, "hwm": hwm, "skip": skip, "n": n,
@@ -381,6 +388,7 @@ class OutboxRelay:
             return 0
         log_published = self.settings.relay_published_log
         if self._marker is None:
+            self.stats.transactions += 1
             conn.execute(Q["outbox_delete_published" if log_published
                            else "outbox_delete_published_nolog"],
                          delete_params(ids, self._acked_at, log_published))
@@ -575,6 +583,7 @@ class OutboxRelay:
                 self._give_up_in_flight()
                 if self._marker is not None and self._marker.error is not None:
                     self._marker.close()  # its unmarked rows are fetched again
+                    self.stats.transactions += self._marker.transactions
                     self._marker = self._new_marker()
                     self._marker.start()
                 self._stop.wait(retry_s)
@@ -640,6 +649,7 @@ class OutboxRelay:
         finally:
             self._marker = None
             marker.close()  # runs the marks queued so far
+            self.stats.transactions += marker.transactions
         if marker.error is not None:
             log.info("could not mark the last delivered rows (%s); they will be published "
                      "again", marker.error)

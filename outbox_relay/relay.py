@@ -598,9 +598,8 @@ class OutboxRelay:
             if n < batch:
                 # Caught up: sleep until a NOTIFY (a commit) or the polling interval; with
                 # rows in flight only briefly, to serve their reports. Acknowledged rows
-                # wait for the next fetch, whose statement deletes them.
-                # Acknowledged rows wait at most relay_delete_hold_s for the next commit's
-                # NOTIFY: its fetch deletes them in the same statement (one transaction).
+                # wait at most relay_delete_hold_s for the next commit's NOTIFY: its fetch
+                # deletes them in the same statement (one transaction per wake-up).
                 busy = bool(self._pending)
                 st = self.settings
                 timeout = (st.relay_in_flight_wait_s if busy else st.relay_delete_hold_s

@@ -42,6 +42,7 @@ distributed mode + the Outbox Event Router, a private worker started by
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import re
@@ -219,6 +220,21 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def backends_cpu_s(url: str) -> float:
+    """CPU seconds used so far by the client backends of ``url``'s database other than this
+    query's own (read from /proc: Postgres runs on this machine). During a drain these are
+    the relay's connections: the Postgres side of publishing."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        pids = [r[0] for r in conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+            "AND backend_type = 'client backend' AND pid <> pg_backend_pid()").fetchall()]
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError, ValueError):  # gone, or not readable
+            total += cpu_s(pid)
+    return total
+
+
 def wait_drained(url: str, timeout_s: float) -> float:
     """Poll until no outbox row is unpublished; returns that moment (wall clock)."""
     deadline = time.monotonic() + timeout_s
@@ -253,6 +269,7 @@ def drain(settings: Settings, args: argparse.Namespace, logdir: Path, label: str
     try:
         t_drained = wait_drained(settings.database_url, args.timeout)
         relay_cpu = sum(cpu_s(p.pid) for p in procs)  # before the relays stop
+        pg_cpu = backends_cpu_s(settings.database_url)
         col.wait(60)
     finally:
         stop(procs)
@@ -271,6 +288,8 @@ def drain(settings: Settings, args: argparse.Namespace, logdir: Path, label: str
         # CPU of the relay process(es) over their whole life (start-up included) per 1k rows:
         # less sensitive to the machine's load than the rate.
         "relay_cpu_ms_per_1k_rows": round(relay_cpu * 1e6 / n, 1),
+        # The relay's Postgres backends (fetch, mark or delete) over the relay's life.
+        "postgres_cpu_ms_per_1k_rows": round(pg_cpu * 1e6 / n, 1),
         "relay_transactions_per_event": relay_transactions_per_event(
             logdir / f"{label}-relay0.log"),
         "messages_on_topic": col.copies,

@@ -779,8 +779,9 @@ def main(settings: Settings, host: str, port: int) -> int:
     """Serve the API with uvicorn until SIGINT/SIGTERM; returns the exit code."""
     import uvicorn
     if not settings.api_tokens:
-        raise SystemExit("no API tokens configured: set JOBSTREAM_API_TOKENS, e.g. "
-                         "'{\"secret-token\": \"acme\"}' (token -> tenant)")
+        raise SystemExit("no API tokens configured: set JOBSTREAM_API_TOKENS to a JSON object "
+                         "token -> tenant, with a random token, e.g. JOBSTREAM_API_TOKENS="
+                         "\"{\\\"$(openssl rand -hex 24)\\\": \\\"acme\\\"}\"")
     placeholders = placeholder_tokens(settings)
     if placeholders and not settings.api_allow_dev_tokens:
         raise SystemExit(f"refusing to start: {len(placeholders)} API token(s) are placeholders "

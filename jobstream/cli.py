@@ -62,7 +62,58 @@ def _stage_list(value: str | None, choices: tuple[str, ...]) -> list[str] | None
     return names
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def settings_error(exc: Exception) -> str:
+    """One line per invalid setting, naming its environment variable: ``JOBSTREAM_X=...:
+    why`` (a pydantic ``ValidationError``), or the message of a ``SettingsError`` (a value
+    that is not the JSON its field needs)."""
+    from pydantic import ValidationError
+    if not isinstance(exc, ValidationError):
+        import re
+        m = re.search(r'field "(\w+)"', str(exc))
+        if m:
+            return (f"invalid settings: JOBSTREAM_{m.group(1).upper()} is not valid JSON (this "
+                    f"setting is a JSON value, e.g. a list or an object)")
+        return f"invalid settings: {exc}"
+    lines = []
+    for e in exc.errors():
+        field = ".".join(str(x) for x in e["loc"])
+        name = f"JOBSTREAM_{field.upper()}" if field else "settings"
+        value = os.environ.get(name)
+        shown = f"={value!r}" if value is not None and "secret" not in field \
+            and "token" not in field and "url" not in field and "dsn" not in field else ""
+        why = str(e["msg"]).removeprefix("Value error, ")
+        lines.append(f"{name}{shown}: {why}" if field else why)
+    if len(lines) == 1:
+        return f"invalid settings: {lines[0]}"
+    return "invalid settings:\n  " + "\n  ".join(lines)
+
+
+class _Main(click.Group):
+    """The ``jobstream`` group: a failure every one-off command may meet (Postgres down, a
+    jobstream error) ends as one ``error: <code>: <message>`` line and exit 1, not a
+    traceback."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        import psycopg
+
+        from jobstream.errors import JobstreamError
+        try:
+            return super().invoke(ctx)
+        except psycopg.OperationalError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            click.echo(f"error: db_unavailable: {first}", err=True)
+            sys.exit(1)
+        except JobstreamError as exc:
+            click.echo(f"error: {exc.code}: {exc}", err=True)
+            sys.exit(1)
+
+
+def _wants_help() -> bool:
+    return any(a in ("-h", "--help") for a in sys.argv[1:])
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="jobstream", message="%(prog)s %(version)s")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def main(log_level: str) -> None:
@@ -72,12 +123,21 @@ def main(log_level: str) -> None:
     KAFKA_BOOTSTRAP_SERVERS); `jobstream config` shows the values in force.
     """
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError
     try:  # every process checks its settings at start (e.g. lease vs heartbeat): a clear error
         get_settings()
-    except ValidationError as exc:
-        raise click.ClickException("invalid settings: " + "; ".join(
-            str(e["msg"]) for e in exc.errors())) from None
+    except (ValidationError, SettingsError) as exc:
+        if _wants_help():  # --help works with a broken environment too
+            return
+        raise click.ClickException(settings_error(exc)) from None
     _logging(log_level)
+
+
+def _check_database(url: str) -> None:
+    """Fail fast (5 s) when Postgres does not answer, instead of a pool's 30 s wait: raises
+    :class:`psycopg.OperationalError` (reported by the group as ``error: db_unavailable``)."""
+    import psycopg
+    psycopg.connect(url, connect_timeout=5).close()
 
 
 @main.command()
@@ -112,6 +172,7 @@ def services(action: str) -> None:
 def migrate_cmd() -> None:
     """Apply missing SQL migrations (idempotent, safe to run concurrently)."""
     from jobstream.db import migrate
+    _check_database(get_settings().database_url)
     applied = migrate(get_settings().database_url)
     click.echo("applied: " + ", ".join(applied) if applied else "schema up to date")
 
@@ -305,13 +366,21 @@ def publish(files: tuple[Path, ...], tenant: str, idempotency_key: str | None, l
 
 @main.command()
 @click.option("--tenant", required=True, help="Tenant id.")
-def jobs(tenant: str) -> None:
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line (every column).")
+def jobs(tenant: str, as_json: bool) -> None:
     """List a tenant's jobs from the database: stage, status, provider calls, cost."""
     from jobstream.db import QUERIES, connect
+    _check_database(get_settings().database_url)
     with connect(get_settings().database_url) as conn:
         rows = conn.execute(QUERIES["jobs_of_tenant"], (tenant,)).fetchall()
+    if as_json:
+        import json
+        for r in rows:
+            click.echo(json.dumps(dict(r), default=str))
+        return
     t = Table(title=f"jobs of {tenant}")
-    for c in ("job id", "document", "status", "stage", "stages", "calls", "cost USD", "error"):
+    t.add_column("job id", no_wrap=True, min_width=36)  # what redrive/status/cancel need
+    for c in ("document", "status", "stage", "stages", "calls", "cost USD", "error"):
         t.add_column(c)
     for r in rows:
         t.add_row(str(r["job_id"]), r["filename"], r["status"], r["current_stage"],
@@ -369,8 +438,8 @@ def _print_jobs(views: list[dict]) -> None:
     """One row per job: status, the stage it is at (for a failed job: the stage that failed),
     the error code."""
     t = Table()
-    for c in ("job id", "document", "status", "stage", "stages", "provider calls", "cost USD",
-              "error"):
+    t.add_column("job id", no_wrap=True, min_width=36)  # what redrive/status/cancel need
+    for c in ("document", "status", "stage", "stages", "provider calls", "cost USD", "error"):
         t.add_column(c)
     for v in views:
         t.add_row(v["job_id"], v["filename"], v["status"], v["current_stage"],
@@ -457,7 +526,10 @@ def submit(files: tuple[Path, ...], api_url: str, token: str, idempotency_key: s
 @click.option("--json", "as_json", is_flag=True, help="Print the API's JSON.")
 @_api_errors
 def status(job_id: str, api_url: str, token: str, follow: bool, as_json: bool) -> None:
-    """Show a job through the API: status, stages, provider attempts, cost, result."""
+    """Show a job through the API: status, stages, provider attempts, cost, result.
+
+    Exit code 1 when the job failed or waits for reconciliation, else 0 (as `submit`).
+    """
     import json as _json
     client = _client(api_url, token)
     v = _follow(client, [job_id], "jobs finished")[0] if follow else client.job(job_id)
@@ -469,6 +541,7 @@ def status(job_id: str, api_url: str, token: str, follow: bool, as_json: bool) -
             click.echo(f"title: {v['result']['title']}\nsummary: {v['result']['summary']}")
         elif v["status"] == "failed":
             click.echo(f"failed at stage {v['current_stage']}: {v['error_code']}: {v['error']}")
+    sys.exit(1 if v["status"] in ("failed", "needs_reconciliation") else 0)
 
 
 @main.command()
@@ -550,6 +623,7 @@ def _ctx():
     from jobstream.store import Store
     from streams.context import StageContext
     s = get_settings()
+    _check_database(s.database_url)
     return StageContext(s, Store(s.database_url, max_size=2))
 
 
@@ -634,7 +708,7 @@ def verify(as_json: bool, checks: tuple[str, ...], skip: tuple[str, ...], tenant
                                 tenant=tenant, grace_s=grace_s, outbox_age_s=outbox_age_s,
                                 max_lag=max_lag)
     except KeyError as exc:
-        raise click.UsageError(str(exc)) from None
+        raise click.UsageError(str(exc.args[0] if exc.args else exc)) from None
     click.echo(report.as_json() if as_json else report.text())
     sys.exit(report.exit_code)
 

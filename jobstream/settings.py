@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, SecretStr, model_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 #: Where ``scripts/services.sh`` starts the project-local services.
@@ -55,7 +55,9 @@ class Settings(BaseSettings):
         10_000, ge=1000, description="Kafka consumer session timeout (milliseconds)."
     )
 
-    model_profile: str = Field("local", description="Default model profile for new jobs.")
+    model_profile: str = Field(
+        "local", description="Default model profile for new jobs: local, openai, ollama, vllm or "
+                             "custom (jobstream/llm/profiles.py).")
     pipeline: str = Field("document-analysis", description="Default pipeline name.")
     prompt_version: str = Field("analysis-v1", description="Default prompt version.")
     provider_base_url: str | None = Field(
@@ -398,6 +400,14 @@ class Settings(BaseSettings):
         15.0, gt=0, description="Server-Sent Events: a keep-alive comment after this many "
                                 "seconds without an event (seconds; proxies cut idle streams)."
     )
+
+    @field_validator("model_profile")
+    @classmethod
+    def _known_profile(cls, v: str) -> str:
+        from jobstream.llm.profiles import PROFILES
+        if v not in PROFILES:
+            raise ValueError(f"unknown model profile {v!r}; known: {', '.join(PROFILES)}")
+        return v
 
     @model_validator(mode="after")
     def _lease_outlives_heartbeats(self) -> Settings:

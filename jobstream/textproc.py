@@ -24,7 +24,8 @@ from jobstream.errors import PermanentError, RetryableError
 #: Every code a document can fail extraction with, and what it means.
 DOCUMENT_ERROR_CODES = {
     "empty_document": "no bytes, or no text in them",
-    "unsupported_content_type": "neither text/plain nor application/pdf",
+    "unsupported_content_type": "neither text/plain nor application/pdf, or binary data (an "
+                                "image, an archive...) sent as text/plain",
     "not_a_pdf": "sent as application/pdf but has no %PDF- header in its first 1024 bytes",
     "unparseable_document": "pypdf cannot read it (any PyPdfError, or a malformed structure)",
     "encrypted_document": "the PDF is encrypted and does not open with an empty password",
@@ -91,6 +92,7 @@ def extract_text(content: bytes, content_type: str,
     if not content.strip():
         raise PermanentError("the document is empty", code="empty_document")
     if content_type == "text/plain":
+        _refuse_binary(content)
         try:
             text = content.decode("utf-8")
         except UnicodeDecodeError:
@@ -111,6 +113,48 @@ def extract_text(content: bytes, content_type: str,
     if not text.strip():
         raise PermanentError("the document has no text", code="empty_document")
     return Extracted(text=text, page_count=pages)
+
+
+#: Leading bytes of common binary formats (PNG, JPEG, GIF, zip/docx/xlsx, gzip, xz, 7z, ELF):
+#: never plain text. (Others, e.g. Windows executables, hold NUL bytes early.)
+BINARY_SIGNATURES = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a", b"PK\x03\x04",
+                     b"\x1f\x8b", b"\xfd7zXZ\x00", b"7z\xbc\xaf\x27\x1c", b"\x7fELF")
+#: How many leading bytes the binary check reads (git's ``buffer_is_binary`` reads 8,000).
+BINARY_SNIFF_BYTES = 8000
+#: Control characters (C0 other than tab, line feed, form feed, carriage return, escape;
+#: DEL; C1) above this share of the sniffed text make it binary.
+BINARY_CONTROL_SHARE = 0.1
+_TEXT_CONTROLS = frozenset(b"\t\n\x0b\x0c\r\x1b")
+
+
+def _refuse_binary(content: bytes) -> None:
+    """Refuse binary data sent as ``text/plain`` (an image, an archive, an executable): it
+    would otherwise "succeed" with a garbage result (and be billed by a remote provider).
+
+    Binary when the first :data:`BINARY_SNIFF_BYTES` bytes hold a NUL byte (git's rule,
+    ``buffer_is_binary`` in git's xdiff-interface.c), start with one of
+    :data:`BINARY_SIGNATURES`, or are more than :data:`BINARY_CONTROL_SHARE` control bytes.
+    Raises :class:`PermanentError` ``unsupported_content_type``.
+    """
+    head = content[:BINARY_SNIFF_BYTES]
+    why = None
+    if b"\x00" in head:
+        why = "it contains NUL bytes"
+    elif head.startswith(BINARY_SIGNATURES):
+        why = f"it starts like a binary file format ({head[:8]!r})"
+    else:
+        try:
+            sample = head.decode("utf-8")
+        except UnicodeDecodeError as exc:  # a multi-byte character cut at the sniff's end
+            sample = head[:exc.start].decode("utf-8") if exc.start > len(head) - 4 else \
+                head.decode("latin-1")
+        controls = sum(1 for ch in sample if (ord(ch) < 0x20 and ord(ch) not in _TEXT_CONTROLS)
+                       or 0x7f <= ord(ch) <= 0x9f)
+        if sample and controls / len(sample) > BINARY_CONTROL_SHARE:
+            why = f"{controls} of its first {len(sample)} characters are control characters"
+    if why:
+        raise PermanentError(f"binary data sent as text/plain: {why}; jobstream reads plain "
+                             "text and PDF documents", code="unsupported_content_type")
 
 
 def _run_pdf_child(content: bytes, limits: ExtractLimits) -> tuple[str, int]:

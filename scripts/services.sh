@@ -107,7 +107,6 @@ CONNECT_HEAP_OPTS=${JOBSTREAM_CONNECT_HEAP_OPTS:--Xmx768m -Xms256m}
 CONNECT_START_TIMEOUT=${JOBSTREAM_CONNECT_START_TIMEOUT:-120}
 CONNECT_POM=$SCRIPT_DIR/connect-pom.xml
 CONNECT_LIBS=$JOBSTREAM_HOME/connect/libs
-CONNECT_STAMP=$CONNECT_LIBS/.pom.sha256
 CONNECT_DIR=${JOBSTREAM_CONNECT_DIR:-$JOBSTREAM_HOME/connect}
 case $CONNECT_DIR in /*) ;; *) CONNECT_DIR=$PWD/$CONNECT_DIR ;; esac
 CONNECT_CONF=$CONNECT_DIR/config/connect-distributed.properties
@@ -231,19 +230,21 @@ kafka_answers() {
   return 1
 }
 
-is_our_kafka() { # pid: a live kafka.Kafka JVM using our server.properties?
+# is_our_jvm <pid> <command-line text>: a live JVM whose command line holds that text
+# (its main class and our config file: guards against pid reuse).
+is_our_jvm() {
   pid_alive "$1" || return 1
-  tr '\0' ' ' <"/proc/$1/cmdline" 2>/dev/null | grep -qF "kafka.Kafka $KAFKA_CONF"
+  tr '\0' ' ' <"/proc/$1/cmdline" 2>/dev/null | grep -qF "$2"
 }
 
-# Pid of the broker this script started, if it is still alive. Uses the pid
-# file (guarding against pid reuse) and falls back to scanning /proc in case
-# the pid file was lost.
-kafka_our_pid() {
-  local pid f
-  if [[ -f $KAFKA_PID ]]; then
-    pid=$(tr -dc '0-9' <"$KAFKA_PID")
-    if [[ -n $pid ]] && is_our_kafka "$pid"; then
+# our_jvm_pid <pid file> <command-line text>: pid of the JVM this script started,
+# if it is still alive. Uses the pid file (guarding against pid reuse) and falls
+# back to scanning /proc in case the pid file was lost (then rewrites it).
+our_jvm_pid() {
+  local pidfile=$1 text=$2 pid f
+  if [[ -f $pidfile ]]; then
+    pid=$(tr -dc '0-9' <"$pidfile")
+    if [[ -n $pid ]] && is_our_jvm "$pid" "$text"; then
       printf '%s\n' "$pid"
       return 0
     fi
@@ -251,14 +252,105 @@ kafka_our_pid() {
   for f in /proc/[0-9]*/cmdline; do
     pid=${f#/proc/}
     pid=${pid%/cmdline}
-    if is_our_kafka "$pid"; then
-      printf '%s\n' "$pid" >"$KAFKA_PID" 2>/dev/null || true
+    if is_our_jvm "$pid" "$text"; then
+      printf '%s\n' "$pid" >"$pidfile" 2>/dev/null || true
       printf '%s\n' "$pid"
       return 0
     fi
   done
   return 1
 }
+
+# fetch_jars <label> <pom> <libs dir> <jar glob that must land> [hint on failure]:
+# `mvn dependency:copy-dependencies` of the pom into the libs dir, unless the
+# pom's sha256 (stamped in <libs>/.pom.sha256) is unchanged and the jar is there.
+fetch_jars() {
+  local label=$1 pom=$2 libs=$3 marker=$4 what=${5:-jars} want have="" stamp
+  stamp=$libs/.pom.sha256
+  [[ -f $pom ]] || die "missing $pom"
+  want=$(sha256sum "$pom" | cut -d' ' -f1)
+  [[ -f $stamp ]] && have=$(<"$stamp")
+  if [[ $want == "$have" ]] && compgen -G "$libs/$marker" >/dev/null; then
+    return 0
+  fi
+  if [[ -d $libs ]]; then
+    log "$label: $pom changed (or libs incomplete); re-fetching jars"
+  fi
+  if ! command -v mvn >/dev/null 2>&1; then
+    log "mvn not found; installing maven"
+    apt_install maven
+  fi
+  local tmp=$libs.tmp.$$ mvnlog t0
+  mvnlog=$(dirname "$libs")/mvn.log
+  rm -rf "$tmp"
+  mkdir -p "$tmp"
+  log "$label: fetching $what from Maven Central (mvn dependency:copy-dependencies) ..."
+  t0=$(now)
+  # Full plugin coordinates (same version as the pom's pluginManagement): no
+  # plugin-prefix metadata lookup, works offline once cached in ~/.m2.
+  if ! mvn -q -B -Dstyle.color=never -f "$pom" \
+        org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies \
+        -DincludeScope=runtime -DoutputDirectory="$tmp" >"$mvnlog" 2>&1; then
+    show_tail "$mvnlog" 60
+    rm -rf "$tmp"
+    if grep -q 'PKIX path building failed' "$mvnlog"; then
+      warn "Java does not trust the TLS certificate presented for Maven Central (intercepting proxy?); add its CA to /usr/local/share/ca-certificates and run update-ca-certificates"
+    fi
+    die "$label: maven could not fetch the $what (log: $mvnlog)"
+  fi
+  compgen -G "$tmp/$marker" >/dev/null \
+    || die "$label: maven ran but no $marker landed in $tmp"
+  printf '%s\n' "$want" >"$tmp/.pom.sha256"
+  rm -rf "$libs"
+  mv "$tmp" "$libs"
+  log "$label: $(find "$libs" -name '*.jar' | wc -l) jars in $libs ($(($(now) - t0))s)"
+}
+
+# spawn_jvm <label> <pid file> <work dir> <stdout file> <command...>: start the
+# command detached (setsid, nohup). The child writes its own pid, then execs the
+# JVM (so the pid stays valid whether or not setsid forks). fd 9 (our lock) must
+# not leak into it. Waits up to 5 s for the pid file.
+spawn_jvm() {
+  local label=$1 pidfile=$2 dir=$3 out=$4 i
+  shift 4
+  : >"$out"
+  rm -f "$pidfile"
+  nohup setsid bash -c 'echo $$ >"$0"; cd "$1" && shift && exec "$@"' \
+    "$pidfile" "$dir" "$@" </dev/null >>"$out" 2>&1 9>&- &
+  for ((i = 0; i < 50; i++)); do
+    [[ -s $pidfile ]] && return 0
+    sleep 0.1
+  done
+  die "$label: process did not start (no pid file $pidfile)"
+}
+
+# stop_pid <label> <pid> <immediate 0|1> <noun>: SIGTERM (or SIGKILL when
+# immediate), wait up to 30 s, then SIGKILL and wait up to 5 s more.
+stop_pid() {
+  local label=$1 pid=$2 immediate=$3 noun=$4 i
+  if ((immediate)); then
+    log "$label: killing $noun pid $pid (SIGKILL, --immediate)"
+    kill -KILL "$pid" 2>/dev/null || true
+  else
+    log "$label: stopping $noun pid $pid (SIGTERM)"
+    kill -TERM "$pid" 2>/dev/null || true
+  fi
+  for ((i = 0; i < 300; i++)); do
+    pid_alive "$pid" || break
+    sleep 0.1
+  done
+  if pid_alive "$pid"; then
+    warn "$label: $noun pid $pid still alive after 30s; sending SIGKILL"
+    kill -KILL "$pid" 2>/dev/null || true
+    for ((i = 0; i < 50; i++)); do
+      pid_alive "$pid" || break
+      sleep 0.1
+    done
+  fi
+}
+
+# Pid of the broker this script started, if it is still alive.
+kafka_our_pid() { our_jvm_pid "$KAFKA_PID" "kafka.Kafka $KAFKA_CONF"; }
 
 JAVA=
 java_major() {
@@ -295,45 +387,7 @@ ensure_java() {
   fi
 }
 
-ensure_kafka_libs() {
-  [[ -f $KAFKA_POM ]] || die "missing $KAFKA_POM"
-  local want have=""
-  want=$(sha256sum "$KAFKA_POM" | cut -d' ' -f1)
-  [[ -f $KAFKA_STAMP ]] && have=$(<"$KAFKA_STAMP")
-  if [[ $want == "$have" ]] && compgen -G "$KAFKA_LIBS/kafka_2.13-*.jar" >/dev/null; then
-    return 0
-  fi
-  if [[ -d $KAFKA_LIBS ]]; then
-    log "kafka: $KAFKA_POM changed (or libs incomplete); re-fetching jars"
-  fi
-  if ! command -v mvn >/dev/null 2>&1; then
-    log "mvn not found; installing maven"
-    apt_install maven
-  fi
-  local tmp=$KAFKA_DIR/libs.tmp mvnlog=$KAFKA_LOGS/mvn.log t0
-  rm -rf "$tmp"
-  mkdir -p "$tmp" "$KAFKA_LOGS"
-  log "kafka: fetching Kafka jars from Maven Central (mvn dependency:copy-dependencies) ..."
-  t0=$(now)
-  # Full plugin coordinates (same version as the pom's pluginManagement): no
-  # plugin-prefix metadata lookup, works offline once cached in ~/.m2.
-  if ! mvn -q -B -Dstyle.color=never -f "$KAFKA_POM" \
-        org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies \
-        -DincludeScope=runtime -DoutputDirectory="$tmp" >"$mvnlog" 2>&1; then
-    show_tail "$mvnlog" 60
-    rm -rf "$tmp"
-    if grep -q 'PKIX path building failed' "$mvnlog"; then
-      warn "Java does not trust the TLS certificate presented for Maven Central (intercepting proxy?); add its CA to /usr/local/share/ca-certificates and run update-ca-certificates"
-    fi
-    die "kafka: maven could not fetch the Kafka jars (log: $mvnlog)"
-  fi
-  compgen -G "$tmp/kafka_2.13-*.jar" >/dev/null \
-    || die "kafka: maven ran but no kafka_2.13 jar landed in $tmp"
-  printf '%s\n' "$want" >"$tmp/.pom.sha256"
-  rm -rf "$KAFKA_LIBS"
-  mv "$tmp" "$KAFKA_LIBS"
-  log "kafka: $(find "$KAFKA_LIBS" -name '*.jar' | wc -l) jars in $KAFKA_LIBS ($(($(now) - t0))s)"
-}
+ensure_kafka_libs() { fetch_jars kafka "$KAFKA_POM" "$KAFKA_LIBS" "kafka_2.13-*.jar" "Kafka jars"; }
 
 write_kafka_config() {
   mkdir -p "$KAFKA_CONF_DIR" "$KAFKA_DATA" "$KAFKA_LOGS"
@@ -423,24 +477,12 @@ show_kafka_log() {
 start_kafka_process() {
   KAFKA_LOG_MARK=0
   [[ -f $KAFKA_LOGS/server.log ]] && KAFKA_LOG_MARK=$(wc -l <"$KAFKA_LOGS/server.log")
-  : >"$KAFKA_OUT"
-  rm -f "$KAFKA_PID"
-  # The child writes its own pid, then execs the JVM (so the pid stays valid
-  # whether or not setsid forks). fd 9 (our lock) must not leak into it.
   # shellcheck disable=SC2086  # KAFKA_HEAP_OPTS is a word list on purpose
-  nohup setsid bash -c 'echo $$ >"$0"; cd "$1" && shift && exec "$@"' \
-    "$KAFKA_PID" "$KAFKA_DIR" \
+  spawn_jvm kafka "$KAFKA_PID" "$KAFKA_DIR" "$KAFKA_OUT" \
     "$JAVA" $KAFKA_HEAP_OPTS -XX:+UseG1GC -XX:MaxGCPauseMillis=20 \
     -XX:+ExitOnOutOfMemoryError -Djava.awt.headless=true \
     -Dkafka.logs.dir="$KAFKA_LOGS" -Dlog4j2.configurationFile="$KAFKA_LOG4J" \
-    -cp "$KAFKA_LIBS/*" kafka.Kafka "$KAFKA_CONF" \
-    </dev/null >>"$KAFKA_OUT" 2>&1 9>&- &
-  local i
-  for ((i = 0; i < 50; i++)); do
-    [[ -s $KAFKA_PID ]] && return 0
-    sleep 0.1
-  done
-  die "kafka: process did not start (no pid file $KAFKA_PID)"
+    -cp "$KAFKA_LIBS/*" kafka.Kafka "$KAFKA_CONF"
 }
 
 # Wait until our broker answers ApiVersions and a metadata request (topic list).
@@ -531,7 +573,7 @@ up_kafka() {
 
 # down_kafka [immediate]: SIGTERM (controlled shutdown), or SIGKILL to simulate a crash.
 down_kafka() {
-  local pid i immediate=${1:-0}
+  local pid immediate=${1:-0}
   if ! pid=$(kafka_our_pid); then
     rm -f "$KAFKA_PID"
     if kafka_answers "$BOOTSTRAP"; then
@@ -541,25 +583,7 @@ down_kafka() {
     fi
     return 0
   fi
-  if ((immediate)); then
-    log "kafka: killing broker pid $pid (SIGKILL, --immediate)"
-    kill -KILL "$pid" 2>/dev/null || true
-  else
-    log "kafka: stopping broker pid $pid (SIGTERM)"
-    kill -TERM "$pid" 2>/dev/null || true
-  fi
-  for ((i = 0; i < 300; i++)); do
-    pid_alive "$pid" || break
-    sleep 0.1
-  done
-  if pid_alive "$pid"; then
-    warn "kafka: broker pid $pid still alive after 30s; sending SIGKILL"
-    kill -KILL "$pid" 2>/dev/null || true
-    for ((i = 0; i < 50; i++)); do
-      pid_alive "$pid" || break
-      sleep 0.1
-    done
-  fi
+  stop_pid kafka "$pid" "$immediate" broker
   rm -f "$KAFKA_PID"
   echo "kafka: stopped (pid $pid)"
 }
@@ -577,64 +601,11 @@ connect_answers() {
   [[ $code == 200 ]]
 }
 
-is_our_connect() { # pid: a live ConnectDistributed JVM using our properties?
-  pid_alive "$1" || return 1
-  tr '\0' ' ' <"/proc/$1/cmdline" 2>/dev/null | grep -qF "ConnectDistributed $CONNECT_CONF"
-}
-
-connect_our_pid() {
-  local pid f
-  if [[ -f $CONNECT_PID ]]; then
-    pid=$(tr -dc '0-9' <"$CONNECT_PID")
-    if [[ -n $pid ]] && is_our_connect "$pid"; then
-      printf '%s\n' "$pid"
-      return 0
-    fi
-  fi
-  for f in /proc/[0-9]*/cmdline; do
-    pid=${f#/proc/}
-    pid=${pid%/cmdline}
-    if is_our_connect "$pid"; then
-      printf '%s\n' "$pid" >"$CONNECT_PID" 2>/dev/null || true
-      printf '%s\n' "$pid"
-      return 0
-    fi
-  done
-  return 1
-}
+connect_our_pid() { our_jvm_pid "$CONNECT_PID" "ConnectDistributed $CONNECT_CONF"; }
 
 ensure_connect_libs() {
-  [[ -f $CONNECT_POM ]] || die "missing $CONNECT_POM"
-  local want have=""
-  want=$(sha256sum "$CONNECT_POM" | cut -d' ' -f1)
-  [[ -f $CONNECT_STAMP ]] && have=$(<"$CONNECT_STAMP")
-  if [[ $want == "$have" ]] && compgen -G "$CONNECT_LIBS/debezium-connector-postgres-*.jar" >/dev/null; then
-    return 0
-  fi
-  if ! command -v mvn >/dev/null 2>&1; then
-    log "mvn not found; installing maven"
-    apt_install maven
-  fi
-  local tmp=$CONNECT_LIBS.tmp.$$ mvnlog t0
-  mkdir -p "$(dirname "$CONNECT_LIBS")" "$CONNECT_LOGS"
-  mvnlog=$CONNECT_LOGS/mvn.log
-  rm -rf "$tmp"
-  mkdir -p "$tmp"
-  log "connect: fetching Kafka Connect + Debezium jars from Maven Central ..."
-  t0=$(now)
-  if ! mvn -q -B -Dstyle.color=never -f "$CONNECT_POM" \
-        org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies \
-        -DincludeScope=runtime -DoutputDirectory="$tmp" >"$mvnlog" 2>&1; then
-    show_tail "$mvnlog" 60
-    rm -rf "$tmp"
-    die "connect: maven could not fetch the Connect/Debezium jars (log: $mvnlog)"
-  fi
-  compgen -G "$tmp/debezium-connect-plugins-*.jar" >/dev/null \
-    || die "connect: maven ran but the Outbox Event Router jar (debezium-connect-plugins) is missing"
-  printf '%s\n' "$want" >"$tmp/.pom.sha256"
-  rm -rf "$CONNECT_LIBS"
-  mv "$tmp" "$CONNECT_LIBS"
-  log "connect: $(find "$CONNECT_LIBS" -name '*.jar' | wc -l) jars in $CONNECT_LIBS ($(($(now) - t0))s)"
+  fetch_jars connect "$CONNECT_POM" "$CONNECT_LIBS" "debezium-connect-plugins-*.jar" \
+    "Kafka Connect + Debezium jars"
 }
 
 write_connect_config() {
@@ -699,22 +670,12 @@ CONF
 }
 
 start_connect_process() {
-  : >"$CONNECT_OUT"
-  rm -f "$CONNECT_PID"
   # shellcheck disable=SC2086  # CONNECT_HEAP_OPTS is a word list on purpose
-  nohup setsid bash -c 'echo $$ >"$0"; cd "$1" && shift && exec "$@"' \
-    "$CONNECT_PID" "$CONNECT_DIR" \
+  spawn_jvm connect "$CONNECT_PID" "$CONNECT_DIR" "$CONNECT_OUT" \
     "$JAVA" $CONNECT_HEAP_OPTS -XX:+UseG1GC -XX:+ExitOnOutOfMemoryError \
     -Djava.awt.headless=true \
     -Dconnect.logs.dir="$CONNECT_LOGS" -Dlog4j2.configurationFile="$CONNECT_LOG4J" \
-    -cp "$CONNECT_LIBS/*" org.apache.kafka.connect.cli.ConnectDistributed "$CONNECT_CONF" \
-    </dev/null >>"$CONNECT_OUT" 2>&1 9>&- &
-  local i
-  for ((i = 0; i < 50; i++)); do
-    [[ -s $CONNECT_PID ]] && return 0
-    sleep 0.1
-  done
-  die "connect: process did not start (no pid file $CONNECT_PID)"
+    -cp "$CONNECT_LIBS/*" org.apache.kafka.connect.cli.ConnectDistributed "$CONNECT_CONF"
 }
 
 wait_for_connect() {
@@ -767,7 +728,7 @@ up_connect() {
 
 # down_connect [immediate]: SIGTERM (clean: commits offsets, stops tasks), or SIGKILL (a crash).
 down_connect() {
-  local pid i immediate=${1:-0}
+  local pid immediate=${1:-0}
   if ! pid=$(connect_our_pid); then
     rm -f "$CONNECT_PID"
     if connect_answers; then
@@ -777,25 +738,7 @@ down_connect() {
     fi
     return 0
   fi
-  if ((immediate)); then
-    log "connect: killing worker pid $pid (SIGKILL, --immediate)"
-    kill -KILL "$pid" 2>/dev/null || true
-  else
-    log "connect: stopping worker pid $pid (SIGTERM)"
-    kill -TERM "$pid" 2>/dev/null || true
-  fi
-  for ((i = 0; i < 300; i++)); do
-    pid_alive "$pid" || break
-    sleep 0.1
-  done
-  if pid_alive "$pid"; then
-    warn "connect: worker pid $pid still alive after 30s; sending SIGKILL"
-    kill -KILL "$pid" 2>/dev/null || true
-    for ((i = 0; i < 50; i++)); do
-      pid_alive "$pid" || break
-      sleep 0.1
-    done
-  fi
+  stop_pid connect "$pid" "$immediate" worker
   rm -f "$CONNECT_PID"
   echo "connect: stopped (pid $pid)"
 }
@@ -1060,6 +1003,15 @@ cmd_down() {
 cmd_restart() {
   local svc=$1 immediate=${2:-0} t0
   take_lock
+  # Restarting a service this script did not start would stop nothing and start nothing while
+  # reporting success (a fault test would then test no fault): refuse instead.
+  local foreign=
+  case $svc in
+    kafka) if ! kafka_our_pid >/dev/null && kafka_answers "$BOOTSTRAP"; then foreign=$BOOTSTRAP; fi ;;
+    postgres) if ! pg_running && pg_answers "$DB_URL"; then foreign=$DB_URL; fi ;;
+    connect) if ! connect_our_pid >/dev/null && connect_answers; then foreign=$CONNECT_URL; fi ;;
+  esac
+  [[ -z $foreign ]] || die "$svc at $foreign was not started by this script (JOBSTREAM_HOME=$JOBSTREAM_HOME): nothing to restart here; restart it with what started it, or point JOBSTREAM_HOME at its state"
   t0=$(now)
   if [[ $svc == connect ]]; then
     down_connect "$immediate"

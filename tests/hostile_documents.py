@@ -90,4 +90,10 @@ CORPUS: dict[str, Callable[[], tuple[bytes, str, str]]] = {
     "text_named_pdf": lambda: (TEXT.encode(), "application/pdf", "not_a_pdf"),
     "empty": lambda: (b"", "application/pdf", "empty_document"),
     "huge_page_count": lambda: (many_pages_pdf(), "application/pdf", "too_many_pages"),
+    # Binary data sent as text: without the check these "succeeded" with a garbage result.
+    "png_as_text": lambda: (b"\x89PNG\r\n\x1a\nabc", "text/plain", "unsupported_content_type"),
+    "nul_bytes_as_text": lambda: (TEXT.encode()[:200] + b"\x00\x01\x02" + TEXT.encode()[:200],
+                                  "text/plain", "unsupported_content_type"),
+    "control_bytes_as_text": lambda: (bytes(range(1, 9)) * 50 + b"words", "text/plain",
+                                      "unsupported_content_type"),
 }

@@ -15,35 +15,27 @@ transaction, and checks that the retry does not wait for the failed run's lease.
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
-import socket
-import subprocess
-import tempfile
 import time
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
 import pytest
-from psycopg import sql
 
 from jobstream import verify
-from jobstream.db import migrate
 from jobstream.drills.fake_provider import FakeProvider
-from jobstream.kafka import ensure_topics
 from jobstream.producer import submit, uploaded_event
-from jobstream.services import SCRIPT, kafka_answers, postgres_answers
 from jobstream.settings import Settings
 from tests.helpers import Proc, ProcessRunner, query, wait_for
+from tests.private_services import (
+    PrivateServices,
+    private_database,
+)
+from tests.private_services import private_services as start_private_services
 
 pytestmark = pytest.mark.e2e
 
-#: The shared dev services: never stopped by this module.
-SHARED_PORTS = {9092, 9093, 55432}
 DOCS = 15
 CHUNK_SIZE_CHARS = 400
 WORDS = ("ledger invoice clause party tenant licence warranty liability notice term payment "
@@ -51,98 +43,18 @@ WORDS = ("ledger invoice clause party tenant licence warranty liability notice t
          "document section article annex consent data processor controller audit fee").split()
 
 
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports that are free on 127.0.0.1 now (and not the shared ones)."""
-    ports: set[int] = set()
-    while len(ports) < n:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in SHARED_PORTS:
-            ports.add(port)
-    return sorted(ports)
-
-
-@dataclass
-class PrivateServices:
-    """A Kafka + Postgres instance of this module alone, driven by ``scripts/services.sh``."""
-
-    home: Path
-    env: dict[str, str]
-    kafka: str
-    database_url: str
-
-    def script(self, *args: str, timeout_s: float = 240.0) -> str:
-        """Run ``services.sh <args>`` against this instance; fails the test if it fails."""
-        r = subprocess.run(["bash", str(SCRIPT), *args], env=self.env, capture_output=True,
-                           text=True, timeout=timeout_s)
-        assert r.returncode == 0, f"services.sh {' '.join(args)} failed:\n{r.stdout}{r.stderr}"
-        return r.stdout
-
-    def stop(self, service: str, *, immediate: bool = False) -> None:
-        """Stop one service (``--immediate``: SIGKILL / ``pg_ctl -m immediate``)."""
-        t0 = time.monotonic()
-        self.script("stop", service, *(["--immediate"] if immediate else []))
-        print(f"{service} stopped{' (immediate)' if immediate else ''} in "
-              f"{time.monotonic() - t0:.1f}s")
-
-    def start(self, service: str) -> None:
-        """Start one service again (waits until it answers)."""
-        t0 = time.monotonic()
-        self.script("start", service)
-        print(f"{service} started in {time.monotonic() - t0:.1f}s")
-
-
 @pytest.fixture(scope="module")
 def private_services() -> Iterator[PrivateServices]:
     """Start a private Kafka + Postgres on free ports; stop and delete them afterwards."""
-    # Not pytest's tmp_path: /tmp/pytest-of-root is 0700, which the `postgres` OS user (the
-    # owner of the cluster when we run as root) cannot traverse. Keep the path short too
-    # (unix socket paths are limited to ~100 bytes).
-    home = Path(tempfile.mkdtemp(prefix="jobstream-restarts-", dir="/tmp"))
-    home.chmod(0o755)
-    kafka_port, controller_port, pg_port = _free_ports(3)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("JOBSTREAM_") and k not in ("DATABASE_URL",
-                                                           "KAFKA_BOOTSTRAP_SERVERS")}
-    env.update(JOBSTREAM_HOME=str(home), JOBSTREAM_KAFKA_PORT=str(kafka_port),
-               JOBSTREAM_KAFKA_CONTROLLER_PORT=str(controller_port),
-               JOBSTREAM_PG_PORT=str(pg_port))
-    svc = PrivateServices(
-        home, env, f"127.0.0.1:{kafka_port}",
-        f"postgresql://jobstream:jobstream@127.0.0.1:{pg_port}/jobstream")
-    try:
-        svc.script("up")
-        assert kafka_answers(svc.kafka) and postgres_answers(svc.database_url)
+    with start_private_services("jobstream-restarts-") as svc:
         yield svc
-    finally:
-        subprocess.run(["bash", str(SCRIPT), "down"], env=env, capture_output=True,
-                       timeout=120)
-        shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture
 def private_settings(private_services: PrivateServices) -> Iterator[Settings]:
     """Settings of one test on the private instance: own database, own topic prefix."""
-    name = f"jobstream_r_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(private_services.database_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    url = psycopg.conninfo.make_conninfo(private_services.database_url, dbname=name)
-    migrate(url)
-    s = Settings(database_url=url, kafka_bootstrap_servers=private_services.kafka,
-                 topic_prefix=f"r{uuid.uuid4().hex[:8]}.", consumer_session_timeout_ms=6000,
-                 relay_poll_interval_s=0.2, lease_s=30.0, provider_backoff_base_s=0.05,
-                 chunk_size_chars=CHUNK_SIZE_CHARS)
-    ensure_topics(s)
-    yield s
-    # Best effort: the service may be the one a failed test left stopped.
-    try:
-        with psycopg.connect(private_services.database_url, autocommit=True,
-                             connect_timeout=5) as conn:
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                sql.Identifier(name)))
-    except psycopg.OperationalError:
-        pass
+    with private_database(private_services, "r", chunk_size_chars=CHUNK_SIZE_CHARS) as s:
+        yield s
 
 
 @pytest.fixture

@@ -15,29 +15,25 @@ ports (see ``tests/e2e/test_service_restarts.py``), so the shared ones are never
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import tempfile
 import time
 import urllib.error
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
-from psycopg import sql
 
 from jobstream import verify
-from jobstream.db import migrate
-from jobstream.kafka import ensure_topics
 from jobstream.producer import submit, uploaded_event
-from jobstream.services import SCRIPT, kafka_answers, postgres_answers
 from jobstream.settings import Settings
-from tests.e2e.test_service_restarts import PrivateServices, _free_ports
 from tests.helpers import Proc, ProcessRunner, query, wait_for
+from tests.private_services import (
+    PrivateServices,
+    free_ports,
+    private_database,
+)
+from tests.private_services import private_services as start_private_services
 
 pytestmark = pytest.mark.e2e
 
@@ -46,53 +42,25 @@ OUTAGE_S = 15
 MAX_LINES_PER_PROCESS = 20
 
 
+def _lower_max_connections(s: PrivateServices) -> None:
+    with psycopg.connect(s.database_url, autocommit=True) as conn:
+        conn.execute(f"ALTER SYSTEM SET max_connections = {MAX_CONNECTIONS}")
+    s.stop("postgres")
+    s.start("postgres")
+
+
 @pytest.fixture(scope="module")
 def svc() -> Iterator[PrivateServices]:
     """A private Kafka + Postgres (max_connections = 20); stopped and deleted afterwards."""
-    home = Path(tempfile.mkdtemp(prefix="jobstream-starve-", dir="/tmp"))
-    home.chmod(0o755)
-    kafka_port, controller_port, pg_port = _free_ports(3)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("JOBSTREAM_") and k not in ("DATABASE_URL",
-                                                           "KAFKA_BOOTSTRAP_SERVERS")}
-    env.update(JOBSTREAM_HOME=str(home), JOBSTREAM_KAFKA_PORT=str(kafka_port),
-               JOBSTREAM_KAFKA_CONTROLLER_PORT=str(controller_port),
-               JOBSTREAM_PG_PORT=str(pg_port))
-    s = PrivateServices(home, env, f"127.0.0.1:{kafka_port}",
-                        f"postgresql://jobstream:jobstream@127.0.0.1:{pg_port}/jobstream")
-    try:
-        s.script("up")
-        with psycopg.connect(s.database_url, autocommit=True) as conn:
-            conn.execute(f"ALTER SYSTEM SET max_connections = {MAX_CONNECTIONS}")
-        s.stop("postgres")
-        s.start("postgres")
-        assert kafka_answers(s.kafka) and postgres_answers(s.database_url)
+    with start_private_services("jobstream-starve-", prepare=_lower_max_connections) as s:
         yield s
-    finally:
-        subprocess.run(["bash", str(SCRIPT), "down"], env=env, capture_output=True,
-                       timeout=120)
-        shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture
 def ps(svc: PrivateServices) -> Iterator[Settings]:
     """Settings of one test on the private services: own database and topic prefix."""
-    name = f"jobstream_s_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(svc.database_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    url = psycopg.conninfo.make_conninfo(svc.database_url, dbname=name)
-    migrate(url)
-    s = Settings(database_url=url, kafka_bootstrap_servers=svc.kafka,
-                 topic_prefix=f"s{uuid.uuid4().hex[:8]}.", consumer_session_timeout_ms=6000,
-                 relay_poll_interval_s=0.2, lease_s=30.0, provider_backoff_base_s=0.05)
-    ensure_topics(s)
-    yield s
-    try:
-        with psycopg.connect(svc.database_url, autocommit=True, connect_timeout=5) as conn:
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                sql.Identifier(name)))
-    except psycopg.OperationalError:
-        pass
+    with private_database(svc, "s") as s:
+        yield s
 
 
 def _health(port: int) -> tuple[int, dict]:
@@ -125,7 +93,7 @@ def _applied(url: str, tenant: str) -> int:
 def test_connection_starvation_is_reported_and_recovers_without_operator(
         ps: Settings, tmp_path: Path) -> None:
     runner = ProcessRunner(ps, tmp_path / "logs")
-    ports = dict(zip(("relay", "worker-1", "worker-2", "consume-ready"), _free_ports(4),
+    ports = dict(zip(("relay", "worker-1", "worker-2", "consume-ready"), free_ports(4),
                      strict=True))
     common = {"JOBSTREAM_HEALTH_FAIL_AFTER_S": "3", "JOBSTREAM_HEALTH_PROBE_INTERVAL_S": "1",
               "JOBSTREAM_DB_POOL_MAX_IDLE_S": "2", "JOBSTREAM_DB_POOL_TIMEOUT_S": "5"}

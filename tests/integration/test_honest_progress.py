@@ -70,6 +70,11 @@ def test_failed_job_reports_the_failed_stage_and_a_new_key_starts_a_new_run(
                      (job_id,))[0]["current_stage"] == "llm"
         listing = procs.run("jobs", "--tenant", "acme", COLUMNS="250")
         assert "llm" in listing.stdout and "http_400" in listing.stdout, listing.stdout
+        assert job_id in listing.stdout  # the whole id (what redrive/status need), not cut
+        shown = procs.run("status", job_id, JOBSTREAM_API_URL=api, JOBSTREAM_API_TOKEN="tok-acme",
+                          COLUMNS="80")
+        assert shown.returncode == 1, shown.stdout + shown.stderr  # a failed job: exit 1
+        assert job_id in shown.stdout and "failed at stage llm: http_400" in shown.stdout
         with httpx.stream("GET", f"{api}/v1/jobs/{job_id}/events", headers=ACME,
                           timeout=30) as resp:
             lines = list(resp.iter_lines())

@@ -83,3 +83,18 @@ def test_a_tounicode_map_to_a_lone_surrogate_does_not_fail_the_document() -> Non
     text = extract_text(data, "application/pdf").text
     text.encode("utf-8")  # what the stage hashes and stores
     assert "\ufffd" in text and "A" in text, repr(text)
+
+
+@pytest.mark.parametrize("text", [
+    "Plain ASCII text.\tWith a tab.\r\nAnd CRLF line ends.\f",
+    "Unicode: café, Straße, naïve, Zürich, 東京, emoji \U0001F600. " * 200,  # > the sniffed 8 KB
+    "\x1b[1mtext with an ANSI escape\x1b[0m and words around it",
+])
+def test_text_is_not_mistaken_for_binary(text: str) -> None:
+    assert extract_text(text.encode(), "text/plain").text.strip()
+    assert extract_text("Le café crème coûte cher.".encode("latin-1"), "text/plain").text
+
+
+def test_a_multibyte_character_cut_by_the_sniffed_prefix_is_still_text() -> None:
+    data = b"a" * 7999 + "é".encode() + b" more text"  # the 8,000-byte cut splits the "é"
+    assert extract_text(data, "text/plain").text.endswith("é more text")

@@ -18,7 +18,7 @@ def test_the_lockfile_matches_pyproject() -> None:
 
 def test_readme_commands_use_the_venv_from_the_lock() -> None:
     venv = (ROOT / "scripts" / "venv.sh").read_text()
-    assert "uv sync --frozen" in venv and "uv lock --upgrade" in venv
+    assert "sync --frozen" in venv and "lock --upgrade" in venv
     for script in ("test.sh", "demo.sh"):
         text = (ROOT / "scripts" / script).read_text()
         assert "bash scripts/venv.sh" in text and ".venv/bin/" in text, script

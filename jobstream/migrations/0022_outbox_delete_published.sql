@@ -28,7 +28,7 @@ SELECT id, event_id, event_type, kafka_key, created_at, published_at
 DELETE FROM outbox WHERE published_at IS NOT NULL;
 
 -- Every outbox row is now unpublished: the partial index of unpublished rows duplicated the
--- primary key (one more index entry per insert, and per vacuum), and the one of published
--- rows stays empty. The relay reads by primary key.
+-- primary key (one more index entry per insert, and per vacuum); the relay reads by primary
+-- key. The partial index of published rows stays: it holds only rows an older relay marked
+-- (costs an insert nothing) and keeps retention's gc_outbox from scanning the whole outbox.
 DROP INDEX outbox_unpublished;
-DROP INDEX outbox_published_at;

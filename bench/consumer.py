@@ -15,7 +15,11 @@ group, one after another:
   without the guarantee; ``idempotent / at_least_once`` is the price of the guarantee itself.
 * ``idempotent``: ``jobstream.ready_applier`` (``IdempotentConsumer`` + ``apply_ready`` /
   ``apply_ready_batch``): the ``processed_event`` insert and the two effect rows in one
-  Postgres transaction per batch, the offset stored after the commit.
+  Postgres transaction per batch, the offset stored after the commit. Its dedup table
+  (``--dedup-table``): ``digest`` (default), the library's current table
+  (``consumers.ddl.create_tables`` in schema ``consumer_bench``: a 16-byte ``key_digest``
+  primary key), or ``keyed``, jobstream's own ``processed_event`` (the first shape: primary key
+  on ``(consumer_group, dedup_key, event_type)``, shared with the stage agents).
 
 Rate = messages / (first message handed to the application .. last offset stored). Before each
 apply run the effect tables and ``processed_event`` are emptied; after each idempotent run the
@@ -35,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, Message, Producer
+from psycopg import sql
 
 from bench.common import (
     base_parser,
@@ -45,6 +50,7 @@ from bench.common import (
     machine,
     pyplot,
 )
+from consumers.ddl import create_tables
 from consumers.idempotent import IdempotentConsumer
 from jobstream.db import connect
 from jobstream.kafka import consumer_config, producer_config
@@ -62,6 +68,8 @@ from schemas.events import DocumentAnalysis, JobReady, JobReadyPayload, decode_e
 #: apply of the same handler in the same run.
 TARGET_RATE = 30_000
 TARGET_RATIO = 0.7
+#: Schema of the library-shaped dedup table of ``--dedup-table digest``.
+BENCH_SCHEMA = "consumer_bench"
 
 
 def ready_event(tenant: str, i: int) -> JobReady:
@@ -178,13 +186,16 @@ def run_plain(settings: Settings, topic: str, n: int, decode: bool) -> dict[str,
 
 
 def make_consumer(settings: Settings, *, dedup: bool, max_batch: int | None, handler: str,
-                  decode_ahead: bool) -> IdempotentConsumer:
+                  decode_ahead: bool, dedup_table: str = "digest") -> IdempotentConsumer:
     """The ready applier (``jobstream.ready_applier.build``'s handlers) in a fresh group;
     ``dedup=False``: the at-least-once baseline (no ``processed_event`` insert or check, every
-    delivered message applied)."""
+    delivered message applied). ``dedup_table``: ``digest`` (the library's table in
+    :data:`BENCH_SCHEMA`) or ``keyed`` (jobstream's ``processed_event``)."""
     consumer = idempotent_consumer(settings, group=f"{settings.topic_prefix}apply-"
                                    f"{uuid.uuid4().hex[:8]}", topics=[], event_types=(),
                                    max_batch=max_batch)
+    if dedup_table == "digest":  # the table of ConsumerSettings(db_schema=BENCH_SCHEMA)
+        consumer._table = sql.Identifier(BENCH_SCHEMA, consumer.settings.table)
     consumer.settings = consumer.settings.model_copy(update={"decode_ahead": decode_ahead})
     consumer.on(JobReady, topic=settings.topic("job.ready"))(apply_ready)
     if handler != "per-event":
@@ -200,8 +211,9 @@ def reset_effects(url: str) -> None:
     """Empty the effect tables and processed_event (each apply run starts from the same
     state)."""
     with connect(url) as conn:
+        create_tables(conn, BENCH_SCHEMA)
         conn.execute("TRUNCATE downstream.document_analysis, downstream.ledger_charge, "
-                     "processed_event")
+                     f"processed_event, {BENCH_SCHEMA}.processed_event")
         conn.commit()
 
 
@@ -285,7 +297,7 @@ def scenario(base: Settings, n: int, dup_pct: float, args: Any) -> dict[str, Any
     dec = run_plain(s, topic, n, decode=True)
     log(f"dups {dup_pct}%: decode {dec['events_per_s']}/s")
     kw = {"max_batch": args.max_batch, "handler": args.handler,
-          "decode_ahead": not args.no_decode_ahead}
+          "decode_ahead": not args.no_decode_ahead, "dedup_table": args.dedup_table}
     alo_runs, idem_runs, ok = [], [], True
     effects: dict[str, int] = {}
     for r in range(args.rounds):
@@ -305,7 +317,12 @@ def scenario(base: Settings, n: int, dup_pct: float, args: Any) -> dict[str, Any
             "raw_consume_commit": raw,
             "consume_decode_commit": dec, "at_least_once_apply": alo, "idempotent_apply": idem,
             "rounds": {"at_least_once_events_per_s": [x["events_per_s"] for x in alo_runs],
-                       "idempotent_events_per_s": [x["events_per_s"] for x in idem_runs]},
+                       "idempotent_events_per_s": [x["events_per_s"] for x in idem_runs],
+                       "at_least_once_cpu_us_per_msg": [cpu_total(x) for x in alo_runs],
+                       "idempotent_cpu_us_per_msg": [cpu_total(x) for x in idem_runs],
+                       "idempotent_postgres_us_per_msg": [
+                           x["cpu_us_per_msg"]["postgres_backend"] for x in idem_runs]},
+            "dedup_table": args.dedup_table,
             "idempotent_vs_raw_ratio": round(idem["events_per_s"] / raw["events_per_s"], 3),
             "idempotent_vs_at_least_once_ratio": round(
                 idem["events_per_s"] / alo["events_per_s"], 3),
@@ -349,6 +366,10 @@ def main() -> None:
                         "handler for each new event, pipelined)")
     p.add_argument("--no-decode-ahead", action="store_true",
                    help="decode each batch in the applying thread (decode_ahead=False)")
+    p.add_argument("--dedup-table", choices=["digest", "keyed"], default="digest",
+                   help="the idempotent apply's dedup table: the library's (key_digest primary "
+                        "key, schema consumer_bench; default) or jobstream's processed_event "
+                        "(primary key on the three text columns)")
     p.add_argument("--rounds", type=int, default=3,
                    help="alternate the at-least-once and idempotent runs this many times; "
                         "the best of each is reported")

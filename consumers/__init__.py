@@ -2,7 +2,8 @@
 exactly once in your own service.
 
 Depends only on ``schemas`` (the event models), confluent-kafka, psycopg and pydantic-settings
-(``pip install 'jobstream[consumer]'``); nothing here imports ``jobstream``. See the README's
+(``pip install 'jobstream[consumer] @ git+<repository>'``: not on PyPI; the README says what
+else that installs); nothing here imports ``jobstream``. See the README's
 "Consume job.ready" section and ``examples/downstream_service/``.
 
 Examples
@@ -18,11 +19,12 @@ Examples
 >>> consumer.run_forever()     # doctest: +SKIP
 """
 
-from consumers.ddl import create_tables, ddl
+from consumers.ddl import create_tables, ddl, key_digest, upgrade_tables
 from consumers.idempotent import ConsumerStats, Hooks, IdempotentConsumer
 from consumers.routing import DeadLetterSink, classify
 from consumers.settings import ConsumerSettings
 from schemas.errors import PoisonMessage, RetryableError
 
 __all__ = ["ConsumerSettings", "ConsumerStats", "DeadLetterSink", "Hooks", "IdempotentConsumer",
-           "PoisonMessage", "RetryableError", "classify", "create_tables", "ddl"]
+           "PoisonMessage", "RetryableError", "classify", "create_tables", "ddl", "key_digest",
+           "upgrade_tables"]

@@ -49,8 +49,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import logging
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -63,9 +65,16 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message
 from psycopg import sql
 from psycopg.rows import DictRow, dict_row, tuple_row
 
-from consumers.ddl import create_tables
+from consumers.ddl import create_tables, has_key_digest
 from consumers.headers import HEADERS_UNREADABLE, read_headers
-from consumers.routing import HANDLER_ERROR, DeadLetterSink, FailureCounter, classify, describe
+from consumers.routing import (
+    DB_OUTAGE,
+    HANDLER_ERROR,
+    DeadLetterSink,
+    FailureCounter,
+    classify,
+    describe,
+)
 from consumers.settings import ConsumerSettings
 from schemas.errors import PoisonMessage, RetryableError
 from schemas.events import decode_event
@@ -96,7 +105,8 @@ class Hooks:
     ``on_dead_lettered(code, reason)`` (once the dead letter is durable). Runtime:
     ``db_ok()`` / ``db_failed(exc)`` (readiness), ``message_scope(headers, group)`` (a context
     manager around one message: log context, tracing), ``bind(**fields)`` (facts learnt once
-    decoded), ``after_apply()`` (after a commit, before the offsets are stored: a crash point).
+    decoded), ``after_apply()`` (after a commit, before the offsets are stored: a crash point),
+    ``in_transaction()`` (the handler ran, the transaction is not committed yet: a pause point).
     """
 
     on_applied: Callable[[Any], None] | None = None
@@ -107,6 +117,7 @@ class Hooks:
     message_scope: Callable[..., contextlib.AbstractContextManager[Any]] | None = None
     bind: Callable[..., None] | None = None
     after_apply: Callable[[], None] | None = None
+    in_transaction: Callable[[], None] | None = None
 
 
 def _call(hook: Callable[..., Any] | None, *args: Any, **kw: Any) -> None:
@@ -185,6 +196,10 @@ class IdempotentConsumer:
         self._table = (sql.Identifier(settings.db_schema, settings.table) if settings.db_schema
                        else sql.Identifier(settings.table))
         self._event_id_index = f"{settings.table}_event_id"
+        # Shape of the table, read at each new connection: True = key_digest primary key
+        # (consumers/sql/consumer.sql), False = the first shape (an older table, not upgraded).
+        self._key_digest = False
+        self._digest_prefix = hashlib.sha256(self.group.encode() + b"\0")
         self.stats = ConsumerStats()
         self._stop = threading.Event()
         self._consumer = Consumer({
@@ -335,10 +350,11 @@ class IdempotentConsumer:
         >>> consumer.gc(7 * 86400)  # doctest: +SKIP
         1234
         """
-        q = sql.SQL("DELETE FROM {t} WHERE (consumer_group, dedup_key, event_type) IN ("
-                    " SELECT consumer_group, dedup_key, event_type FROM {t}"
+        # By ctid: the same statement for both shapes of the table (key_digest or not).
+        q = sql.SQL("DELETE FROM {t} WHERE ctid = ANY(ARRAY("
+                    " SELECT ctid FROM {t}"
                     "  WHERE consumer_group = %s"
-                    "    AND processed_at < now() - make_interval(secs => %s) LIMIT %s)"
+                    "    AND processed_at < now() - make_interval(secs => %s) LIMIT %s))"
                     ).format(t=self._table)
         total = 0
         with psycopg.connect(self.settings.dsn, autocommit=True, connect_timeout=10) as conn:
@@ -373,10 +389,21 @@ class IdempotentConsumer:
     def _db(self) -> psycopg.Connection[DictRow]:
         if self._conn is None or self._conn.closed:
             try:
-                self._conn = psycopg.connect(self.settings.dsn, row_factory=dict_row,
-                                             connect_timeout=10)
+                # A consumer frozen inside its transaction past this loses the session, so
+                # the batch's locks: the partitions' next owner does not wait for it.
+                ms = int(self.settings.transaction_idle_timeout_s * 1000)
+                options = psycopg.conninfo.conninfo_to_dict(self.settings.dsn).get("options")
+                self._conn = psycopg.connect(
+                    self.settings.dsn, row_factory=dict_row, connect_timeout=10,
+                    options=f"{options or ''} -c idle_in_transaction_session_timeout={ms}")
             except psycopg.OperationalError as exc:
                 _call(self.hooks.db_failed, exc)
+                raise
+            try:
+                self._key_digest = has_key_digest(self._conn, self._table)
+                self._conn.commit()
+            except psycopg.Error:
+                self._conn.close()
                 raise
             _call(self.hooks.db_ok)
         return self._conn
@@ -449,6 +476,7 @@ class IdempotentConsumer:
                     _call(self.hooks.on_duplicate, event)
                     return "duplicate"
                 self._handlers[event.event_type](conn, event)
+                _call(self.hooks.in_transaction)
         except (PoisonMessage, psycopg.DataError, UnicodeEncodeError) as exc:
             self._dead_letter(msg, classify(exc)[1], describe(exc))
             return "dead_lettered"
@@ -490,6 +518,7 @@ class IdempotentConsumer:
                     with conn.pipeline():
                         for _, ev in todo:
                             self._handlers[ev.event_type](conn, ev)
+                _call(self.hooks.in_transaction)
                 for i, ev in todo:
                     outcomes[i] = "applied"
                     applied.append(ev)
@@ -519,10 +548,28 @@ class IdempotentConsumer:
         another key: ``UniqueViolation``, the batch is then split)."""
         events = [ev for _, ev in first.values()]
         cur = conn.cursor(row_factory=tuple_row)
-        new = set(cur.execute(sql.SQL(RECORD_PROCESSED_BATCH).format(table=self._table), (
-            self.group, [e.dedup_key for e in events], [e.event_type for e in events],
-            [e.event_id for e in events], [e.job_id for e in events])).fetchall())
+        keys = [e.dedup_key for e in events]
+        types = [e.event_type for e in events]
+        with _shape_changed(self):
+            if self._key_digest:
+                digests = [self._digest(t, k) for t, k in zip(types, keys, strict=True)]
+                by_digest = dict(zip(digests, zip(keys, types, strict=True), strict=True))
+                # The new rows' digests come back (16 bytes each, binary), not their texts.
+                new = {by_digest[d] for d, in cur.execute(
+                    sql.SQL(RECORD_PROCESSED_BATCH_DIGEST).format(table=self._table),
+                    (self.group, digests, keys, types, [e.event_id for e in events],
+                     [e.job_id for e in events]), binary=True).fetchall()}
+            else:
+                new = set(cur.execute(sql.SQL(RECORD_PROCESSED_BATCH).format(table=self._table), (
+                    self.group, keys, types, [e.event_id for e in events],
+                    [e.job_id for e in events])).fetchall())
         return [(i, ev) for key, (i, ev) in first.items() if key in new]
+
+    def _digest(self, event_type: str, dedup_key: str) -> bytes:
+        """:func:`consumers.ddl.key_digest` of this group (its prefix hashed once)."""
+        h = self._digest_prefix.copy()
+        h.update(event_type.encode() + b"\0" + dedup_key.encode())
+        return h.digest()[:16]
 
     def _settle(self, msg: Message) -> bool:
         """Process ``msg`` until it is applied, a duplicate or dead-lettered; False if stopped
@@ -544,7 +591,7 @@ class IdempotentConsumer:
                 return True
             except Exception as exc:  # rolled back: decide, never skip silently
                 kind, code = classify(exc)
-                outage = isinstance(exc, psycopg.OperationalError)
+                outage = isinstance(exc, DB_OUTAGE)
                 if outage:
                     _call(self.hooks.db_failed, exc)  # one line per outage, not per retry
                     if self._conn is not None:
@@ -614,7 +661,7 @@ class IdempotentConsumer:
         while not self._stop.is_set():
             try:
                 self.process_batch(msgs)
-            except psycopg.OperationalError as exc:
+            except DB_OUTAGE as exc:
                 _call(self.hooks.db_failed, exc)
                 log.debug("batch failed (%s); retrying", exc)
                 if self._conn is not None:
@@ -678,7 +725,9 @@ class IdempotentConsumer:
         With ``settings.decode_ahead`` (and ``max_batch`` > 1) the next batch is fetched
         before the current one is applied and decoded in a second thread meanwhile (the Kafka
         consumer and Postgres are used from this thread only); a batch fetched but not applied
-        when the consumer stops is not acknowledged (it is delivered again).
+        when the consumer stops is not acknowledged (it is delivered again). Meanwhile the
+        interpreter's GIL switch interval is ``settings.switch_interval_s`` and, with
+        ``settings.gc_tuning``, the collector is tuned (both process-wide, both restored).
 
         Raises
         ------
@@ -688,12 +737,21 @@ class IdempotentConsumer:
         if not self._handlers or not self._topics:
             raise ValueError("no handler registered: use @consumer.on(EventClass)")
         self._consumer.subscribe(self._topics)
+        log.info("consuming %s as group %s into %s (a new group starts at the earliest "
+                 "retained message unless kafka_extra sets auto.offset.reset)",
+                 ", ".join(self._topics), self.group, self._table.as_string(None))
         last_msg = time.monotonic()
         ahead = self.settings.decode_ahead and self.max_batch > 1
         decoder = (ThreadPoolExecutor(1, thread_name_prefix=f"decode-{self.group}")
                    if ahead else None)
         pending: tuple[list[Message], Future[Any]] | None = None  # fetched, being decoded
         thresholds = gc.get_threshold()
+        switch = sys.getswitchinterval()
+        if ahead and self.settings.switch_interval_s is not None:
+            # Two threads want the GIL: the decode thread (CPU-bound while a batch is decoded)
+            # and this one, woken by each Postgres reply (about four per batch). At the default
+            # interval this one waited up to 5 ms for the GIL after every reply.
+            sys.setswitchinterval(self.settings.switch_interval_s)
         if self.settings.gc_tuning:
             # A batch of decoded events is ~14 container objects per event, alive until the
             # commit: at the default threshold (700) the cyclic collector ran every ~50 events
@@ -726,6 +784,7 @@ class IdempotentConsumer:
                 if not ok:
                     break
         finally:
+            sys.setswitchinterval(switch)
             if self.settings.gc_tuning:
                 gc.set_threshold(*thresholds)
                 gc.unfreeze()
@@ -751,7 +810,14 @@ class IdempotentConsumer:
         :class:`PoisonMessage` ``event_id_conflict`` when the event id was already recorded
         with other content (another dedup key or event type)."""
         try:
-            with conn.transaction():  # a savepoint: the outer transaction survives the refusal
+            with _shape_changed(self), conn.transaction():  # a savepoint: the outer
+                # transaction survives the refusal
+                if self._key_digest:
+                    return conn.execute(
+                        sql.SQL(RECORD_PROCESSED_DIGEST).format(table=self._table),
+                        (self._digest(event.event_type, event.dedup_key), self.group,
+                         event.dedup_key, event.event_type, event.event_id,
+                         event.job_id)).fetchone()
                 return conn.execute(sql.SQL(RECORD_PROCESSED).format(table=self._table), (
                     self.group, event.dedup_key, event.event_type, event.event_id,
                     event.job_id)).fetchone()
@@ -760,6 +826,19 @@ class IdempotentConsumer:
                 raise
             raise PoisonMessage(f"event_id {event.event_id} was already used by another event",
                                 code="event_id_conflict") from None
+
+
+@contextlib.contextmanager
+def _shape_changed(consumer: IdempotentConsumer) -> Any:
+    """Turn "the table no longer has the shape read at connect" (upgraded by
+    :func:`consumers.ddl.upgrade_tables` while this consumer held its connection: the ON
+    CONFLICT target or a column is gone) into an outage: the caller closes the connection and
+    retries, and the next connection reads the shape again. Nothing is dead-lettered for it."""
+    try:
+        yield
+    except (psycopg.errors.InvalidColumnReference, psycopg.errors.UndefinedColumn) as exc:
+        raise psycopg.OperationalError(
+            f"{consumer.settings.table}: its shape changed ({exc}); reconnecting") from exc
 
 
 def run_forever(consumer: IdempotentConsumer) -> int:
@@ -786,3 +865,18 @@ SELECT %b, u.dedup_key, u.event_type, u.event_id, u.job_id
  ORDER BY u.dedup_key, u.event_type
 ON CONFLICT (consumer_group, dedup_key, event_type) DO NOTHING
 RETURNING dedup_key, event_type"""
+#: The same two statements for a table with the ``key_digest`` primary key (the current shape,
+#: consumers/sql/consumer.sql): a 16-byte key, sorted, instead of three text columns.
+RECORD_PROCESSED_DIGEST = """
+INSERT INTO {table} (key_digest, consumer_group, dedup_key, event_type, event_id, job_id)
+VALUES (%s, %s, %s, %s, %s, %s)
+ON CONFLICT (key_digest) DO NOTHING
+RETURNING 1 AS inserted"""
+RECORD_PROCESSED_BATCH_DIGEST = """
+INSERT INTO {table} (key_digest, consumer_group, dedup_key, event_type, event_id, job_id)
+SELECT u.key_digest, %b, u.dedup_key, u.event_type, u.event_id, u.job_id
+  FROM unnest(%b::bytea[], %b::text[], %b::text[], %b::uuid[], %b::uuid[])
+       AS u(key_digest, dedup_key, event_type, event_id, job_id)
+ ORDER BY u.key_digest
+ON CONFLICT (key_digest) DO NOTHING
+RETURNING key_digest"""

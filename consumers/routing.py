@@ -64,12 +64,17 @@ def safe_text(text: str, limit: int = 2000) -> str:
             .encode("utf-8", "backslashreplace").decode("utf-8"))
 
 
+#: Postgres unavailable, or this session ended under us (idle in transaction past its limit,
+#: e.g. a process paused mid-batch: SQLSTATE class 25 makes that an InternalError): an outage.
+DB_OUTAGE = (psycopg.OperationalError, psycopg.errors.IdleInTransactionSessionTimeout)
+
+
 def classify(exc: BaseException) -> tuple[str, str]:
     """``(kind, code)`` of a failure while decoding or handling one message.
 
     ``kind``: ``poison`` (:class:`PoisonMessage` with its code; ``psycopg.DataError`` or a
     ``UnicodeEncodeError`` of a query parameter -> ``invalid_data``), ``transient``
-    (:class:`RetryableError`, :class:`OutcomeUnknown`, ``psycopg.OperationalError``, a
+    (:class:`RetryableError`, :class:`OutcomeUnknown`, :data:`DB_OUTAGE`, a
     retriable ``KafkaException``) or ``bug`` (anything else, code ``unhandled``).
     """
     if isinstance(exc, PoisonMessage):
@@ -78,7 +83,7 @@ def classify(exc: BaseException) -> tuple[str, str]:
         return "poison", INVALID_DATA
     if isinstance(exc, RetryableError | OutcomeUnknown):
         return "transient", exc.code
-    if isinstance(exc, psycopg.OperationalError):
+    if isinstance(exc, DB_OUTAGE):
         return "transient", "db_unavailable"
     if isinstance(exc, KafkaException) and exc.args and isinstance(exc.args[0], KafkaError) \
             and exc.args[0].retriable():

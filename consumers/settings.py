@@ -46,6 +46,13 @@ class ConsumerSettings(BaseSettings):
                                               "50,000 allocations, not 700 (the collector "
                                               "doubled the decode cost of a batch). Restored "
                                               "when run() returns.")
+    switch_interval_s: float | None = Field(
+        0.0005, gt=0, le=0.1,
+        description="While run() runs with decode_ahead: sys.setswitchinterval(this) (seconds; "
+                    "Python's default is 0.005), so the applying thread gets the GIL back "
+                    "within this long of a Postgres reply while the decode thread runs, "
+                    "instead of up to 5 ms per round trip. Process-wide; restored when run() "
+                    "returns. None leaves it alone.")
     poison_after: int = Field(5, ge=1, description="The same handler error on the same message "
                                                    "this many times makes it poison (DLQ).")
     max_message_bytes: int = Field(8 * 1024 * 1024, ge=10_000,
@@ -62,6 +69,12 @@ class ConsumerSettings(BaseSettings):
                                                 "max_message_bytes (bytes).")
     session_timeout_ms: int = Field(10_000, ge=1000,
                                     description="Kafka consumer session timeout (ms).")
+    transaction_idle_timeout_s: float = Field(
+        60.0, gt=0, description="Postgres ends the consumer's session when its transaction "
+                                "sits idle this long (idle_in_transaction_session_timeout, "
+                                "seconds): a consumer frozen mid-batch (SIGSTOP, VM pause) "
+                                "then no longer holds the batch's processed_event rows, which "
+                                "the partitions' next owner waits for.")
     kafka_extra: dict[str, Any] = Field(default_factory=dict,
                                         description="librdkafka options passed verbatim.")
 

@@ -417,8 +417,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RetryableError)
     async def _unavailable(_: Request, exc: RetryableError) -> JSONResponse:
+        retry_after = max(1, round(exc.retry_after_s)) if exc.retry_after_s else 1
         return JSONResponse({"code": exc.code, "message": str(exc)}, status_code=503,
-                            headers={"Retry-After": "1"})
+                            headers={"Retry-After": str(retry_after)})
 
 
 def create_app(settings: Settings, store: Store | None = None) -> FastAPI:
@@ -615,6 +616,7 @@ def cancel_job(job_id: uuid.UUID, t: Tenant, response: Response, ctx: Ctx) -> Jo
     Cancelling a finished job changes nothing, not even ``cancel_requested`` (200, the
     state it ended in)."""
     with ctx.store.tx() as conn:
+        conn.execute(Q["api_lock_timeout"])  # a frozen worker's row lock: 503, not a hang
         row = conn.execute(Q["request_cancel"], (job_id, t)).fetchone()
         if row is None:
             ended = conn.execute(Q["api_job_status"], (job_id, t)).fetchone()
@@ -728,6 +730,7 @@ def cancel_batch(batch_id: uuid.UUID, t: Tenant, ctx: Ctx) -> BatchView:
     """Cancel every unfinished job of the batch: queued stages are skipped when their
     events arrive, running ones stop before their next provider call."""
     with ctx.store.tx() as conn:
+        conn.execute(Q["api_lock_timeout"])  # a frozen worker's row lock: 503, not a hang
         if conn.execute(Q["mark_batch_cancelled"], (batch_id, t)).fetchone() is None:
             raise _problem(404, "not_found", f"no batch {batch_id}")
         conn.execute(Q["request_cancel_batch"], (batch_id,))

@@ -247,7 +247,7 @@ def connect_delete() -> None:
 
 
 def _print_connect_status(st: dict) -> None:
-    click.echo(f"connector {st['connector']}: {st['state']}"
+    click.echo(f"connector {st['connector']}: {st['state'] or 'not deployed or unknown'}"
                + (f" ({st['connect_error']})" if st.get("connect_error") else ""))
     for t in st["tasks"]:
         click.echo(f"  task {t['id']}: {t['state']} on {t['worker_id']}")
@@ -974,8 +974,18 @@ def schemas(check: bool) -> None:
 
 @main.command()
 def config() -> None:
-    """Print the settings in force (secrets masked: tokens, keys, the database URL)."""
-    for k, v in get_settings().public_dump().items():
+    """Print the settings in force (secrets masked: tokens, keys, the database password).
+
+    A setting left empty whose value is derived (the Debezium connector and replication slot
+    names, from the database name) shows the derived value.
+    """
+    from jobstream.connect import names
+    s = get_settings()
+    n = names(s)
+    derived = {"connect_connector_name": n.connector, "replication_slot": n.slot}
+    for k, v in s.public_dump().items():
+        if k in derived and not v:
+            v = f"{derived[k]} (derived from the database name)"
         click.echo(f"{k} = {v}")
 
 

@@ -10,8 +10,11 @@ Points: ``llm_chunk_answered_before_save`` (a chunk's answer arrived, its output
 yet), ``llm_after_provider_before_checkpoint`` (every chunk answered and saved, the ``llm``
 checkpoint not written yet), ``stage_inside_one_transaction`` (a one-transaction stage's work
 done, its completion not written, the job row locked), ``stage_after_commit_before_offset``,
+``intake_batch_before_commit`` (an intake batch's intents written, its transaction not committed),
 ``relay_after_produce_before_mark`` (also ``relay_after_produce_before_mark:<event_type>``, hit
-once per event type in the batch), ``consumer_after_apply_before_offset``.
+once per event type in the batch), ``consumer_after_apply_before_offset``,
+``consumer_inside_transaction`` (the idempotent consumer's handler ran, its transaction, with
+the batch's ``processed_event`` rows, not committed yet).
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ POINTS = (
     "llm_after_provider_before_checkpoint",
     "stage_inside_one_transaction",
     "stage_after_commit_before_offset",
+    "intake_batch_before_commit",
     "relay_after_produce_before_mark",
     "consumer_after_apply_before_offset",
+    "consumer_inside_transaction",
 )
 _hits: Counter[str] = Counter()
 

@@ -95,7 +95,7 @@ def idempotent_consumer(settings: Settings, *, group: str, topics: list[str],
     config (logger, ``kafka_extra``), the shared dead-letter sink
     (:class:`jobstream.deadletter.DeadLetterSink`), readiness (``jobstream.health``), the log
     context and trace span of each message, and the ``consumer_after_apply_before_offset``
-    fault point."""
+    and ``consumer_inside_transaction`` fault points."""
     from jobstream.deadletter import DeadLetterSink
 
     base = base_config(settings)
@@ -106,7 +106,8 @@ def idempotent_consumer(settings: Settings, *, group: str, topics: list[str],
         sink=DeadLetterSink(settings, group=group),
         hooks=Hooks(db_ok=health.ok, db_failed=health.failed,
                     message_scope=logs.message_scope, bind=logs.bind,
-                    after_apply=lambda: faults.point("consumer_after_apply_before_offset")))
+                    after_apply=lambda: faults.point("consumer_after_apply_before_offset"),
+                    in_transaction=lambda: faults.point("consumer_inside_transaction")))
 
 
 def build(settings: Settings) -> IdempotentConsumer:

@@ -125,6 +125,20 @@ class Settings(BaseSettings):
     llm_concurrency: int = Field(
         4, ge=1, description="Chunk-stage events one worker's LLM agent runs at once."
     )
+    intake_batch_max: int = Field(
+        100, ge=1, description="document.uploaded events one worker's intake agent takes at "
+        "once and accepts in ONE Postgres transaction (a savepoint per intent; "
+        "streams/intake.py). 1: a transaction per event.",
+    )
+    intake_batch_wait_s: float = Field(
+        0.005, ge=0, description="How long the first event of an intake batch waits for "
+        "others before the batch commits (seconds); events that arrive while a batch commits "
+        "form the next one without waiting.",
+    )
+    intake_batch_max_bytes: int = Field(
+        16 * 1024 * 1024, ge=1, description="An intake batch is cut once its documents' "
+        "declared sizes reach this many bytes (one document alone may be larger).",
+    )
     provider_max_concurrency: int = Field(
         8, ge=1, description="Provider calls in flight over ALL workers and both lanes, per "
                              "remote profile: the AIMD limit's ceiling."
@@ -232,6 +246,14 @@ class Settings(BaseSettings):
     )
     relay_poll_interval_s: float = Field(
         1.0, gt=0, description="Relay polling fallback when no NOTIFY arrives (seconds)."
+    )
+    relay_lock_timeout_s: float = Field(
+        120.0, ge=3, description="Relay: Postgres ends the active relay's lock session after "
+                                 "this long without a statement (idle_session_timeout; the "
+                                 "relay runs one at least every third of it), so a relay "
+                                 "frozen (SIGSTOP, VM pause) longer loses its lock and a "
+                                 "standby takes over (seconds; keep it above the 60 s a "
+                                 "delivery flush may take)."
     )
     outbox_retention_s: float = Field(
         7 * 24 * 3600.0, ge=0, description="Retention: published outbox rows are deleted this "
@@ -478,6 +500,8 @@ class Settings(BaseSettings):
             if isinstance(value, dict):
                 value = {(f"**********({i})" if isinstance(k, SecretStr) else k): v
                          for i, (k, v) in enumerate(value.items(), 1)}
+            elif name == "database_dsn":
+                value = masked_database_url(self.database_url)
             elif isinstance(value, SecretStr):
                 value = "**********"
             out[name] = value
@@ -511,6 +535,21 @@ class Settings(BaseSettings):
 
 
 @lru_cache(maxsize=1)
+def masked_database_url(url: str) -> str:
+    """``url`` (a libpq URL or ``key=value`` string) as ``postgresql://user:**********@host:port
+    /dbname``: which database, never its password (nor any other parameter, which may hold
+    one). An unparseable value is masked whole (``**********``)."""
+    from psycopg.conninfo import conninfo_to_dict
+    try:
+        d = conninfo_to_dict(url)
+    except Exception:  # noqa: BLE001 - whatever libpq refuses, print nothing of it
+        return "**********"
+    user = f"{d.get('user', '')}:**********@" if d.get("password") else (
+        f"{d['user']}@" if d.get("user") else "")
+    port = f":{d['port']}" if d.get("port") else ""
+    return f"postgresql://{user}{d.get('host', '')}{port}/{d.get('dbname', '')}"
+
+
 def get_settings() -> Settings:
     """The process-wide settings, read once from the environment."""
     return Settings()

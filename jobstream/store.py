@@ -176,6 +176,26 @@ class IntakeResult:
 
 
 @dataclass(frozen=True)
+class IntakeIntent:
+    """One client intent for :meth:`Store.intake_batch`: the arguments of :meth:`Store.intake`
+    (``job``: the job row's columns; ``accepted``: ``job_id -> JobAccepted``; ``topic``: the
+    ``job.accepted`` topic, full name; ``restart``: ``(conn, job_id) -> bool``) and the span
+    of the event it came from (``None``: a new trace)."""
+
+    tenant_id: str
+    idempotency_key: str
+    request_hash: str
+    request_id: str
+    job: dict[str, Any]
+    content: bytes
+    accepted: Any
+    topic: str
+    extra: tuple[OutboxMessage, ...] = ()
+    restart: Any = None
+    span: tracing.SpanContext | None = None
+
+
+@dataclass(frozen=True)
 class Claim:
     """A claimed stage run: the fencing token (``run_token``), attempt number and lease end.
     The run's generation is ``job.generation`` (the job row read under the claim's lock):
@@ -313,7 +333,14 @@ class Store:
         try:
             with self.connection() as conn, conn.transaction():
                 yield conn
-        except psycopg.OperationalError as exc:
+        except psycopg.errors.LockNotAvailable as exc:  # a lock_timeout the caller set
+            raise RetryableError(f"a row this needs is locked by another transaction (a busy or "
+                                 f"frozen worker): {exc}".strip(), code="row_locked",
+                                 retry_after_s=5.0) from None
+        except (psycopg.OperationalError,
+                # The session was ended under a paused process (one_transaction_idle_limit):
+                # an outage to retry, though SQLSTATE class 25 makes it an InternalError.
+                psycopg.errors.IdleInTransactionSessionTimeout) as exc:
             raise RetryableError(f"database unavailable: {exc}", code="db_unavailable") from None
         except psycopg.errors.SerializationFailure as exc:
             raise RetryableError(f"serialization failure: {exc}", code="db_conflict") from None
@@ -445,6 +472,160 @@ class Store:
                                     code="invalid_data") from None
         raise RetryableError("intake kept losing a uniqueness race", code="db_conflict")
 
+    def intake_batch(self, intents: Sequence[IntakeIntent]) -> list[IntakeResult | Exception]:
+        """Accept many client intents in ONE transaction: per intent exactly what
+        :meth:`intake` does (idempotency record, dedup key, job, ``intake`` checkpoint and the
+        ``job.accepted`` outbox row together), each in its own savepoint, so an intent Postgres
+        refuses (``invalid_data``), a key reused with another body
+        (:class:`~jobstream.errors.IdempotencyConflict`) or a bug in one intent rolls back that
+        intent alone and the others commit.
+
+        Returns one entry per intent, in the order given: its :class:`IntakeResult`, or the
+        exception that intent raised (nothing of it was written). Intents are written in
+        document-hash order (the intents of one key keep their order: the first wins), so
+        concurrent batches sharing documents lock rows in one order. The same key twice in a
+        batch is one job (the second is a replay), as in two transactions. When Postgres is
+        unreachable, or the commit fails, every intent that did not fail on its own gets a
+        :class:`RetryableError` (``db_unavailable``) or, when the commit itself was refused, is
+        accepted again one transaction per intent (:meth:`intake`).
+        """
+        out: list[IntakeResult | Exception | None] = [None] * len(intents)
+        if not intents:
+            return []
+        first: dict[tuple[str, str], str] = {}
+        for it in intents:
+            first.setdefault((it.tenant_id, it.idempotency_key), it.job["document_sha256"])
+        order = sorted(range(len(intents)), key=lambda i: (
+            intents[i].tenant_id, first[(intents[i].tenant_id, intents[i].idempotency_key)], i))
+        try:
+            with self.connection() as conn, conn.transaction():
+                for i in self._intake_fast(conn, intents, order, out):
+                    it = intents[i]
+                    span = it.span or tracing.start()
+                    with tracing.use(span):
+                        try:
+                            out[i] = self._intake_in(
+                                conn, it.tenant_id, it.idempotency_key, it.request_hash,
+                                it.request_id, {**it.job, "trace_id": span.trace_id},
+                                it.content, it.accepted, it.topic, list(it.extra), it.restart)
+                        except psycopg.OperationalError:
+                            raise
+                        except Exception as exc:  # its savepoint rolled back; the rest stands
+                            out[i] = exc
+                faults.point("intake_batch_before_commit")
+        except psycopg.OperationalError as exc:
+            err = RetryableError(f"database unavailable: {exc}", code="db_unavailable")
+            return [r if isinstance(r, PoisonMessage) else err for r in out]
+        except psycopg.Error:  # the COMMIT refused (e.g. a deferred constraint): one by one
+            return [r if isinstance(r, Exception) else self._intake_alone(it)
+                    for r, it in zip(out, intents, strict=True)]
+        return [r for r in out if r is not None]
+
+    _JOB_COLUMNS = ("job_id", "tenant_id", "idempotency_key", "request_hash", "dedup_key",
+                    "request_id", "document_sha256", "filename", "content_type", "pipeline",
+                    "prompt_version", "model_profile", "lane", "trace_id")
+
+    def _intake_fast(self, conn: Conn, intents: Sequence[IntakeIntent], order: list[int],
+                     out: list[IntakeResult | Exception | None]) -> list[int]:
+        """The batch's plainly new intents (a key never seen, the first of its key and of its
+        dedup key in the batch) with one statement per table instead of one per row, in a
+        savepoint. Fills ``out`` for the jobs it created and returns the indices left for
+        the one-intent path (replays, conflicts, reuses, restarts), in ``order``. A race lost
+        to a concurrent intake or a row Postgres refuses undoes the savepoint: then every
+        intent takes the one-intent path, which tells them apart."""
+        if len(order) < 2:
+            return order
+        with conn.pipeline():  # fewer round trips: 3 instead of 8
+            return self._intake_fast_in(conn, intents, order, out)
+
+    def _intake_fast_in(self, conn: Conn, intents: Sequence[IntakeIntent], order: list[int],
+                        out: list[IntakeResult | Exception | None]) -> list[int]:
+        known = {(r["tenant_id"], r["idempotency_key"]) for r in conn.execute(
+            Q["intake_batch_known_keys"], ([intents[i].tenant_id for i in order],
+                                           [intents[i].idempotency_key for i in order]))}
+        fresh: list[int] = []
+        keys: set[tuple[str, str]] = set()
+        dedups: set[tuple[str, str]] = set()
+        for i in order:
+            it = intents[i]
+            key, dk = (it.tenant_id, it.idempotency_key), (it.tenant_id, it.job["dedup_key"])
+            if key not in known and key not in keys and dk not in dedups and not it.extra:
+                fresh.append(i)
+            keys.add(key)
+            dedups.add(dk)
+        if not fresh:
+            return order
+        spans = {i: intents[i].span or tracing.start() for i in fresh}
+        jobs = {i: {**intents[i].job, "trace_id": spans[i].trace_id} for i in fresh}
+        try:
+            with conn.transaction():
+                docs: dict[tuple[str, str], IntakeIntent] = {}
+                for i in fresh:
+                    docs.setdefault((intents[i].tenant_id, jobs[i]["document_sha256"]),
+                                    intents[i])
+                conn.execute(Q["intake_batch_insert_documents"], (
+                    [t for t, _ in docs], [h for _, h in docs],
+                    [d.job["content_type"] for d in docs.values()],
+                    [len(d.content) for d in docs.values()],
+                    [d.content for d in docs.values()]))
+                created = {r["job_id"] for r in conn.execute(
+                    Q["intake_batch_insert_jobs"],
+                    {c: [jobs[i][c] for i in fresh] for c in self._JOB_COLUMNS})}
+                made = [i for i in fresh if jobs[i]["job_id"] in created]
+                if made:
+                    self._intake_fast_rows(conn, intents, made, jobs, spans)
+        except psycopg.OperationalError:
+            raise
+        except (psycopg.Error, UnicodeEncodeError):
+            return order
+        for i in made:
+            out[i] = IntakeResult(jobs[i]["job_id"], True, "new")
+        done = set(made)
+        return [i for i in order if i not in done]
+
+    @staticmethod
+    def _intake_fast_rows(conn: Conn, intents: Sequence[IntakeIntent], made: list[int],
+                          jobs: dict[int, dict[str, Any]],
+                          spans: dict[int, tracing.SpanContext]) -> None:
+        """The idempotency records, ``intake`` checkpoints and ``job.accepted`` outbox rows of
+        the jobs :meth:`_intake_fast` created (one statement each, as :meth:`_intake_in`
+        writes them one by one)."""
+        msgs: list[OutboxMessage] = []
+        emitted: list[str] = []
+        for i in made:
+            event = intents[i].accepted(jobs[i]["job_id"])
+            msg = outbox_message(intents[i].topic, event)
+            if tracing.HEADER not in msg.headers:
+                with tracing.use(spans[i]):
+                    msg.headers[tracing.HEADER] = tracing.outgoing_header()
+            msgs.append(msg)
+            emitted.append(json.dumps(event.payload.model_dump(mode="json")))
+        ids = [jobs[i]["job_id"] for i in made]
+        conn.execute(Q["intake_batch_insert_requests"], (
+            [intents[i].tenant_id for i in made], [intents[i].idempotency_key for i in made],
+            [intents[i].request_hash for i in made], ids,
+            [intents[i].request_id for i in made]))
+        conn.execute(Q["intake_batch_insert_done_stages"], (
+            STAGES[0], PIPELINE.stages[0].code_version, ids,
+            [jobs[i]["document_sha256"] for i in made],
+            [json.dumps({"filename": jobs[i]["filename"]}) for i in made], emitted))
+        ev_meta = [json.loads(m.value) for m in msgs]
+        conn.execute(Q["intake_batch_outbox_insert"], (
+            [m.topic for m in msgs], [m.key for m in msgs], [m.value for m in msgs],
+            [json.dumps(m.headers) for m in msgs], [e["event_id"] for e in ev_meta],
+            [e["event_type"] for e in ev_meta]))
+
+    def _intake_alone(self, it: IntakeIntent) -> IntakeResult | Exception:
+        """:meth:`intake` of one intent of a batch whose commit failed; its exception returned."""
+        try:
+            with tracing.use(it.span):
+                return self.intake(tenant_id=it.tenant_id, idempotency_key=it.idempotency_key,
+                                   request_hash=it.request_hash, request_id=it.request_id,
+                                   job=it.job, content=it.content, accepted=it.accepted,
+                                   topic=it.topic, extra=it.extra, restart=it.restart)
+        except Exception as exc:
+            return exc
+
     # ------------------------------------------------------------------ stages
 
     def claim(self, *, job_id: uuid.UUID, stage: str, group: str, dedup_key: str,
@@ -488,7 +669,9 @@ class Store:
         the caller ends the run as after a two-transaction claim (fail, release, cancel), so
         failure paths do not change. A crash during ``work`` rolls the claim back: the
         redelivered event claims again. Returns ``(claim result, None)`` otherwise (the run
-        completed when the result is a :class:`Claim`). Raises :class:`StaleRun` like
+        completed when the result is a :class:`Claim`). When Postgres refuses the completion
+        (``invalid_data``, a constraint...), the claim rolls back with it and is made again
+        alone: ``(claim, exception)``. Raises :class:`StaleRun` like
         :meth:`complete` (not expected: the lock is held).
 
         The transaction may stay idle at most ``lease_s`` seconds
@@ -511,9 +694,11 @@ class Store:
                 faults.point("stage_inside_one_transaction")
                 self._complete_in(conn, got, locked=True, **done)
                 return got, None
-        except PoisonMessage as exc:
-            # Postgres refused the completion's data (invalid_data): the claim rolled back with
-            # it. Claim again, alone, so the run ends like a two-transaction one (job failed).
+        except (PoisonMessage, psycopg.Error) as exc:
+            # Postgres refused the completion (its data: invalid_data; or anything else it
+            # raises that is not an outage, e.g. a constraint): the claim rolled back with it.
+            # Claim again, alone, so the run ends like a two-transaction one (job failed)
+            # instead of leaving the job open with no run to end it.
             return self.claim(**claim_kw), exc
 
     def _claim_in(self, conn: Conn, *, job_id: uuid.UUID, stage: str, group: str,
@@ -728,12 +913,14 @@ class Store:
 
     def give_up(self, *, job_id: uuid.UUID, stage: str, error_code: str, error: str,
                 group: str, event_type: str, event_id: uuid.UUID, dedup_key: str,
-                failed_msg: OutboxMessage) -> bool:
+                failed_msg: OutboxMessage, generation: int) -> bool:
         """Fail an open job whose stage event exhausted its retry budget (ONE transaction,
-        with ``job.failed``). Returns False when the job was already terminal."""
+        with ``job.failed``). Fenced by ``generation`` (the event's): an event from before a
+        redrive fails nothing, like any other write of a superseded generation. Returns False
+        when the job was already terminal or the event is of another generation."""
         with self.tx() as conn:
             job = conn.execute(Q["get_job_for_update"], (job_id,)).fetchone()
-            if job is None or job["status"] in TERMINAL:
+            if job is None or job["status"] in TERMINAL or job["generation"] != generation:
                 return False
             conn.execute(Q["fail_open_job"], (error_code, error[:4000], job_id, stage))
             conn.execute(Q["fail_job"], (error_code, error[:4000], job_id))

@@ -204,6 +204,7 @@ class OutboxRelay:
         self._floor = 0  # rows below it were published (or parked) when it was recorded
         self._floors: deque[tuple[float, int]] = deque()  # (monotonic time, floor) per rescan
         self._last_rescan = self._last_full = time.monotonic()
+        self._touched = time.monotonic()  # the last statement on the lock session
 
     def stop(self, *_: Any) -> None:
         """Ask the relay loop to finish its current batch and return."""
@@ -516,6 +517,7 @@ class OutboxRelay:
         while not self._stop.is_set():
             lock = HOUSEKEEPING_LOCK_ID if self.housekeeping_only else RELAY_LOCK_ID
             row = conn.execute(Q["relay_try_lock"], (lock,)).fetchone()
+            self._touched = time.monotonic()
             health.ok()
             if row and row["locked"]:
                 return True
@@ -557,6 +559,22 @@ class OutboxRelay:
         if any(report.deleted.values()):
             log.info("retention: deleted %s", report.deleted)
 
+    def _keep_lock(self, conn: Conn) -> None:
+        """Run a statement on the lock session when a third of ``relay_lock_timeout_s`` went
+        by without one: Postgres ends a session idle that long (a frozen relay's lock is
+        released), never a live relay's. Raises ``psycopg.OperationalError`` when the
+        session is gone (the lock with it)."""
+        if time.monotonic() - self._touched >= self.settings.relay_lock_timeout_s / 3:
+            conn.execute(Q["relay_touch"])
+            self._touched = time.monotonic()
+
+    def _wait(self, conn: Conn, seconds: float) -> None:
+        """Wait ``seconds`` (or until stopped) keeping the lock session alive."""
+        deadline = time.monotonic() + seconds
+        while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
+            self._stop.wait(min(left, self.settings.relay_lock_timeout_s / 3))
+            self._keep_lock(conn)
+
     def _relay_loop(self, conn: Conn) -> None:
         """Publish (or only keep house) while the lock is held and no stop was asked."""
         retry_s = 0.5
@@ -564,6 +582,7 @@ class OutboxRelay:
         batch = self.settings.relay_batch_size
         fetch = True
         while not self._stop.is_set():
+            self._keep_lock(conn)
             try:
                 published = self.stats.published
                 n = 0 if self.housekeeping_only else self.pump(conn, fetch=fetch)
@@ -573,7 +592,7 @@ class OutboxRelay:
             except DeliveryFailed as exc:
                 log.warning("delivery failed; re-sending the undelivered rows in "
                             "%.1fs: %s", retry_s, exc)
-                self._stop.wait(retry_s)
+                self._wait(conn, retry_s)
                 retry_s = min(retry_s * 2, self.settings.relay_backoff_cap_s)
                 continue
             except psycopg.OperationalError:
@@ -586,7 +605,7 @@ class OutboxRelay:
                     self.stats.transactions += self._marker.transactions
                     self._marker = self._new_marker()
                     self._marker.start()
-                self._stop.wait(retry_s)
+                self._wait(conn, retry_s)
                 retry_s = min(retry_s * 2, self.settings.relay_backoff_cap_s)
                 continue
             if time.monotonic() - last_sweep > self.settings.sweep_grace_s / 2:
@@ -603,7 +622,8 @@ class OutboxRelay:
                 busy = bool(self._pending)
                 st = self.settings
                 timeout = (st.relay_in_flight_wait_s if busy else st.relay_delete_hold_s
-                           if self._acked else st.relay_poll_interval_s)
+                           if self._acked else min(st.relay_poll_interval_s,
+                                                   st.relay_lock_timeout_s / 3))
                 woke = False
                 for _ in conn.notifies(timeout=timeout, stop_after=1):
                     woke = True
@@ -661,6 +681,11 @@ class OutboxRelay:
         while not self._stop.is_set():
             try:
                 with connect(self.settings.database_url, autocommit=True) as conn:
+                    # A relay frozen past this loses its session, so its lock (see
+                    # relay_lock_timeout_s): a standby takes over.
+                    conn.execute(Q["relay_lock_session_timeout"], {
+                        "ms": str(int(self.settings.relay_lock_timeout_s * 1000))})
+                    self._touched = time.monotonic()
                     if not self._acquire_lock(conn):
                         break
                     conn.execute(f"LISTEN {CHANNEL}")  # constant channel name, not input

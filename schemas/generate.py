@@ -52,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in stale if not args.check else []:
         (OUT_DIR / name).unlink()
     from schemas import asyncapi  # the AsyncAPI document is generated from the same models
-    return asyncapi.main(["--check"] if args.check else [])
+    rc = asyncapi.main(["--check"] if args.check else [])
+    if rc == 0:
+        print(f"{len(files)} JSON Schema files and the AsyncAPI document "
+              + ("match the event models" if args.check else f"written to {OUT_DIR}"))
+    return rc
 
 
 if __name__ == "__main__":

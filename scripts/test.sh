@@ -5,6 +5,26 @@
 # scripts/services.sh (started by the test session itself when nothing answers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+case "${1:-}" in
+  -h|--help)
+    cat <<'EOF'
+Usage: bash scripts/test.sh [pytest arguments]
+
+Runs pytest in .venv (created from uv.lock by scripts/venv.sh) against real Kafka + PostgreSQL:
+KAFKA_BOOTSTRAP_SERVERS / DATABASE_URL when set, else testcontainers when a Docker engine
+answers, else the native services of scripts/services.sh (started by the test session).
+Installs promtool (Debian's prometheus package) for the alert-rule tests when missing.
+
+Without arguments: the whole suite (unit, integration, e2e; ~20-25 min on 2 cores).
+Arguments go to pytest, e.g.
+  bash scripts/test.sh tests/unit -q               # the unit tests only (~1 min)
+  bash scripts/test.sh tests/e2e/test_pause.py     # one module
+  bash scripts/test.sh -k exactly_once -x          # by name, stop at the first failure
+  bash scripts/test.sh --help-pytest               # pytest's own options
+EOF
+    exit 0 ;;
+  --help-pytest) set -- --help ;;
+esac
 bash scripts/venv.sh
 # promtool (Debian's prometheus package) unit-tests the alert rules (tests/unit/test_alerts.py)
 if ! command -v promtool >/dev/null 2>&1; then

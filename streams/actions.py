@@ -94,7 +94,8 @@ def reconcile(ctx: StageContext, job_id: uuid.UUID, resolution: str) -> str:
 
 def give_up(ctx: StageContext, ev: Any, error_code: str, error: str) -> bool:
     """Fail the job of a stage event whose retry budget is spent (``job.failed``). Returns False
-    when the job was already terminal. Raises :class:`RetryableError` if Postgres is down."""
+    when the job was already terminal or was re-driven since the event (another generation).
+    Raises :class:`RetryableError` if Postgres is down."""
     stage = PIPELINE.consumer_of(ev.event_type)
     job = ctx.store.job(ev.job_id)
     if job is None:
@@ -107,7 +108,7 @@ def give_up(ctx: StageContext, ev: Any, error_code: str, error: str) -> bool:
     return ctx.store.give_up(job_id=ev.job_id, stage=stage.name, error_code=error_code,
                              error=error, group=ctx.group(stage.name), event_type=ev.event_type,
                              event_id=ev.event_id, dedup_key=ev.dedup_key,
-                             failed_msg=outbox_msg(ctx, failed))
+                             failed_msg=outbox_msg(ctx, failed), generation=ev.generation)
 
 
 def sweep(ctx: StageContext) -> list[str]:

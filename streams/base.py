@@ -29,6 +29,7 @@ until acknowledged), whatever the agent's concurrency.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import random
 import time
@@ -163,7 +164,9 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
         attempt = 0
         while True:
             try:
-                outcome = await asyncio.to_thread(handler, ctx, ev)
+                # An async handler (intake's batcher) awaits its own work; others run in a thread.
+                outcome = (await handler(ctx, ev) if inspect.iscoroutinefunction(handler)
+                           else await asyncio.to_thread(handler, ctx, ev))
                 log.info("%s %s job=%s round=%d -> %s", name, ev.event_type,
                          getattr(ev, "job_id", "-"), round_no, outcome)
                 return

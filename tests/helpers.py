@@ -152,3 +152,23 @@ def read_topic(settings: Settings, topic: str, timeout_s: float = 20.0) -> list[
         return out
     finally:
         c.close()
+
+
+def set_topic_config(settings: Settings, topic: str, key: str, value: str,
+                     timeout_s: float = 30.0) -> None:
+    """Set one config of ``topic`` (an incremental alter) and wait until the broker reports it
+    in force: the controller accepts an alter before the broker applies it, and a test that
+    produces at once may still meet the old value."""
+    from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
+
+    from jobstream.kafka import base_config
+    admin = AdminClient(base_config(settings))
+    res = ConfigResource(ConfigResource.Type.TOPIC, topic, incremental_configs=[
+        ConfigEntry(key, value, incremental_operation=AlterConfigOpType.SET)])
+    for fut in admin.incremental_alter_configs([res]).values():
+        fut.result(timeout_s)
+
+    def in_force() -> bool:
+        (cfg,) = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, topic)]).values()
+        return bool(cfg.result(timeout_s)[key].value == value)
+    wait_for(in_force, timeout_s, f"{key}={value} in force on {topic}")

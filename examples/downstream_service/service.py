@@ -21,7 +21,13 @@ from pathlib import Path
 import psycopg
 from psycopg import sql
 
-from consumers import ConsumerSettings, IdempotentConsumer, PoisonMessage, create_tables
+from consumers import (
+    ConsumerSettings,
+    IdempotentConsumer,
+    PoisonMessage,
+    create_tables,
+    upgrade_tables,
+)
 from schemas.events import JobReady
 
 MIGRATIONS = Path(__file__).with_name("migrations")
@@ -39,9 +45,12 @@ def settings_from_env() -> ConsumerSettings:
 
 def migrate(settings: ConsumerSettings) -> None:
     """Create the library's tables and this service's ledger in ``settings.db_schema``
-    (idempotent). Raises ``psycopg.Error``."""
+    (idempotent), and convert a ``processed_event`` table of the library's first shape to the
+    ``key_digest`` one (:func:`consumers.upgrade_tables`; a no-op once done). Raises
+    ``psycopg.Error``."""
     with psycopg.connect(settings.dsn, connect_timeout=10) as conn:
         create_tables(conn, settings.db_schema, settings.table, settings.dead_letter_table)
+        upgrade_tables(conn, settings.db_schema, settings.table)
         with conn.transaction():
             for path in sorted(MIGRATIONS.glob("*.sql")):
                 conn.execute(sql.SQL(path.read_text()).format(

@@ -64,6 +64,7 @@ OWNER = {
     "stage_after_commit_before_offset": "worker",
     "relay_after_produce_before_mark": "relay",
     "consumer_after_apply_before_offset": "consume-ready",
+    "consumer_inside_transaction": "consume-ready",
 }
 #: The matrix: each point, fired on a hit that falls in the middle of a 5-job batch.
 DEFAULT_PLAN = (

@@ -58,6 +58,58 @@ INSERT INTO job_stage (job_id, stage, status, attempt, input_hash, code_version,
                        emitted, started_at, finished_at)
 VALUES (%s, %s, 'succeeded', 1, %s, %s, %s, %s, now(), now());
 
+-- name: intake_batch_known_keys
+-- Intake batches: which of the batch's (tenant, idempotency key) pairs have an idempotency
+-- record or a job already (those take the one-intent path: replay, conflict, rebind).
+SELECT k.tenant_id, k.idempotency_key
+  FROM unnest(%s::text[], %s::text[]) AS k (tenant_id, idempotency_key)
+ WHERE EXISTS (SELECT 1 FROM job_request r
+                WHERE r.tenant_id = k.tenant_id AND r.idempotency_key = k.idempotency_key)
+    OR EXISTS (SELECT 1 FROM job j
+                WHERE j.tenant_id = k.tenant_id AND j.idempotency_key = k.idempotency_key);
+
+-- name: intake_batch_insert_documents
+-- Intake batches: the documents of the batch's new intents, one statement.
+INSERT INTO document (tenant_id, sha256, content_type, size_bytes, content)
+SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::bigint[], %s::bytea[])
+ON CONFLICT (tenant_id, sha256) DO NOTHING;
+
+-- name: intake_batch_insert_jobs
+-- Intake batches: the jobs of the batch's new intents; an existing dedup_key returns nothing
+-- for its row (that intent then takes the one-intent path: reuse or restart).
+INSERT INTO job (job_id, tenant_id, idempotency_key, request_hash, dedup_key, request_id,
+                 document_sha256, filename, content_type, pipeline, prompt_version,
+                 model_profile, lane, trace_id)
+SELECT * FROM unnest(%(job_id)s::uuid[], %(tenant_id)s::text[], %(idempotency_key)s::text[],
+                     %(request_hash)s::text[], %(dedup_key)s::text[], %(request_id)s::text[],
+                     %(document_sha256)s::text[], %(filename)s::text[], %(content_type)s::text[],
+                     %(pipeline)s::text[], %(prompt_version)s::text[],
+                     %(model_profile)s::text[], %(lane)s::text[], %(trace_id)s::text[])
+ON CONFLICT (tenant_id, dedup_key) DO NOTHING
+RETURNING job_id;
+
+-- name: intake_batch_insert_requests
+-- Intake batches: the idempotency records of the jobs the batch created.
+INSERT INTO job_request (tenant_id, idempotency_key, request_hash, job_id, request_id)
+SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::uuid[], %s::text[]);
+
+-- name: intake_batch_insert_done_stages
+-- Intake batches: the intake checkpoints of the jobs the batch created (as insert_done_stage).
+INSERT INTO job_stage (job_id, stage, status, attempt, input_hash, code_version, output,
+                       emitted, started_at, finished_at)
+SELECT x.job_id, %s, 'succeeded', 1, x.input_hash, %s, x.output::jsonb, x.emitted::jsonb,
+       now(), now()
+  FROM unnest(%s::uuid[], %s::text[], %s::text[], %s::text[])
+       AS x (job_id, input_hash, output, emitted);
+
+-- name: intake_batch_outbox_insert
+-- Intake batches: the job.accepted outbox rows of the jobs the batch created, in order.
+INSERT INTO outbox (topic, kafka_key, payload, headers, event_id, event_type)
+SELECT x.topic, x.kafka_key, x.payload, x.headers::jsonb, x.event_id, x.event_type
+  FROM unnest(%s::text[], %s::text[], %s::bytea[], %s::text[], %s::uuid[], %s::text[])
+       WITH ORDINALITY AS x (topic, kafka_key, payload, headers, event_id, event_type, n)
+ ORDER BY x.n;
+
 -- ---------------------------------------------------------------- stages
 
 -- name: get_job
@@ -150,6 +202,11 @@ SELECT 1 AS owns FROM job_stage s JOIN job j USING (job_id)
 -- session ended by Postgres, the claim rolls back and the lock is released, so a frozen worker
 -- cannot hold a job forever (issue 11). %(ms)s: milliseconds, as text.
 SELECT set_config('idle_in_transaction_session_timeout', %(ms)s, true);
+
+-- name: api_lock_timeout
+-- An API request never waits long on a job's row lock (a worker frozen inside a one-transaction
+-- stage holds it until its session is ended, up to the lease): 503 row_locked, retry instead.
+SET LOCAL lock_timeout = '3s';
 
 -- name: sweeper_lock_timeout
 -- The sweeper never waits long on a row lock (a frozen process may hold one for minutes): the
@@ -360,8 +417,14 @@ UPDATE job SET status = 'failed', error_code = %s, error = %s, finished_at = now
  WHERE job_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled');
 
 -- name: cancel_job
+-- current_stage becomes the stage the cancel stopped (cancel_stage, in the same transaction,
+-- before this), not the last one that succeeded; a job cancelled between stages keeps it.
 UPDATE job SET status = 'cancelled', error_code = 'cancelled_by_user', finished_at = now(),
-               updated_at = now()
+               updated_at = now(),
+               current_stage = coalesce((SELECT s.stage FROM job_stage s
+                                          WHERE s.job_id = job.job_id AND s.status = 'failed'
+                                            AND s.error_code = 'cancelled_by_user'
+                                          ORDER BY s.updated_at DESC LIMIT 1), current_stage)
  WHERE job_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled');
 
 -- name: get_document
@@ -509,6 +572,17 @@ WITH gone AS (DELETE FROM outbox WHERE id = ANY(%(ids)s::bigint[])
 UNION ALL
 (SELECT id, topic, kafka_key, payload, headers, event_type FROM outbox
   WHERE published_at IS NULL AND id > %(hwm)s ORDER BY id LIMIT %(n)s);
+
+-- name: relay_lock_session_timeout
+-- The relay's lock session is ended by Postgres after %(ms)s milliseconds (text) idle, in or out
+-- of a transaction: a relay frozen (SIGSTOP, VM pause) longer loses its advisory lock, so a
+-- standby takes over instead of the outbox waiting for as long as the process is frozen.
+SELECT set_config('idle_session_timeout', %(ms)s, false),
+       set_config('idle_in_transaction_session_timeout', %(ms)s, false);
+
+-- name: relay_touch
+-- The active relay's sign of life on its lock session (see relay_lock_session_timeout).
+SELECT 1 AS alive;
 
 -- name: relay_try_lock
 -- One active relay (others stand by): a session-level advisory lock held while relaying.

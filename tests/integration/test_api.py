@@ -148,6 +148,13 @@ def test_cancelling_a_batch_mid_way_stops_provider_calls_and_ends_every_job(
         cancelled = query(settings.database_url,
                           "SELECT error_code FROM job WHERE status = 'cancelled'")
         assert {c["error_code"] for c in cancelled} == {"cancelled_by_user"}
+        # A job stopped during its LLM call shows the stage it was stopped at, not the last
+        # one that succeeded (chunk).
+        stopped = query(settings.database_url,
+                        "SELECT j.current_stage, s.stage FROM job j JOIN job_stage s "
+                        "USING (job_id) WHERE j.status = 'cancelled' "
+                        "AND s.error_code = 'cancelled_by_user'")
+        assert stopped and all(r["current_stage"] == r["stage"] for r in stopped), stopped
 
 
 def test_schemathesis_finds_no_server_errors_in_the_openapi_spec(api: str,
@@ -191,3 +198,30 @@ def test_cli_submit_status_cancel_and_batch_talk_to_the_api(
     assert "succeeded 2" in b.stdout
     bad = cli("status", job_id, "--token", "wrong")
     assert bad.returncode != 0 and "401" in bad.stderr
+
+
+def test_cancel_of_a_job_whose_row_a_frozen_worker_holds_is_503_not_a_hang(
+        api: str, settings: Settings) -> None:
+    """A worker frozen inside a one-transaction stage holds the job's row lock until Postgres
+    ends its session (up to the lease, 120 s by default): a cancel answers 503 ``row_locked``
+    with Retry-After within the API's lock timeout, and succeeds once the lock is gone."""
+    import psycopg
+    created = _post(api, "frozen", {"filename": "bsd.txt",
+                                    "text": (LICENSES / "BSD").read_text()})
+    assert created.status_code == 202, created.text
+    job_id = created.json()["job_id"]
+    with psycopg.connect(settings.database_url) as holder:  # the frozen worker's transaction
+        holder.execute("SELECT 1 FROM job WHERE job_id = %s FOR UPDATE", (job_id,))
+        busy = httpx.post(f"{api}/v1/jobs/{job_id}/cancel", headers=ACME, timeout=60)
+        assert busy.status_code == 503, busy.text
+        assert busy.json()["code"] == "row_locked" and int(busy.headers["Retry-After"]) >= 1
+        holder.rollback()
+    done = httpx.post(f"{api}/v1/jobs/{job_id}/cancel", headers=ACME, timeout=60)
+    assert done.status_code in (200, 202), done.text
+    assert _job_cancel_flag(settings, job_id)
+
+
+def _job_cancel_flag(settings: Settings, job_id: str) -> bool:
+    rows = query(settings.database_url, "SELECT cancel_requested, status FROM job "
+                 "WHERE job_id = %s", (job_id,))
+    return bool(rows[0]["cancel_requested"] or rows[0]["status"] in ("cancelled", "succeeded"))

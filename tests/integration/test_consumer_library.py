@@ -13,14 +13,12 @@ from typing import Any
 
 import psycopg
 import pytest
-from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
 from consumers import ConsumerSettings, IdempotentConsumer, create_tables
-from jobstream.kafka import base_config
 from jobstream.producer import produce_raw
 from jobstream.settings import Settings
 from schemas.events import DocumentAnalysis, JobReady, JobReadyPayload, encode_event
-from tests.helpers import query, read_topic, wait_for
+from tests.helpers import query, read_topic, set_topic_config, wait_for
 
 pytestmark = pytest.mark.integration
 SCHEMA = "lib_test"
@@ -38,11 +36,7 @@ def _ready(name: str) -> JobReady:
 
 def test_standalone_library_routes_applies_and_collects(settings: Settings) -> None:
     dlq = settings.topic("job.ready.dlq")
-    admin = AdminClient(base_config(settings))
-    res = ConfigResource(ConfigResource.Type.TOPIC, dlq, incremental_configs=[
-        ConfigEntry("max.message.bytes", "2000", incremental_operation=AlterConfigOpType.SET)])
-    for fut in admin.incremental_alter_configs([res]).values():
-        fut.result(30)
+    set_topic_config(settings, dlq, "max.message.bytes", "2000")
     cs = ConsumerSettings(bootstrap_servers=settings.kafka_bootstrap_servers,
                           dsn=settings.database_url, group=settings.group("lib"),
                           db_schema=SCHEMA, topic_prefix=settings.topic_prefix,

@@ -11,13 +11,13 @@ import json
 import os
 
 import pytest
-from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
+from confluent_kafka.admin import AdminClient, ConfigResource
 
 from jobstream.kafka import base_config, group_lag
 from jobstream.producer import produce_raw
 from jobstream.settings import Settings
 from schemas.events import encode_event
-from tests.helpers import ProcessRunner, query, read_topic, wait_for
+from tests.helpers import ProcessRunner, query, read_topic, set_topic_config, wait_for
 from tests.integration.test_hostile_ready import _applied, _ready
 
 pytestmark = pytest.mark.integration
@@ -26,12 +26,7 @@ pytestmark = pytest.mark.integration
 def test_a_dead_letter_the_dlq_refuses_is_kept_in_postgres_and_replayable(
         settings: Settings, procs: ProcessRunner) -> None:
     dlq = settings.topic("job.ready.dlq")
-    admin = AdminClient(base_config(settings))
-    res = ConfigResource(ConfigResource.Type.TOPIC, dlq, incremental_configs=[
-        ConfigEntry("max.message.bytes", "2000",
-                    incremental_operation=AlterConfigOpType.SET)])
-    for fut in admin.incremental_alter_configs([res]).values():
-        fut.result(30)
+    set_topic_config(settings, dlq, "max.message.bytes", "2000")
     poison = b'{"junk": "' + os.urandom(6000).hex().encode() + b'"}'  # 12 KB, incompressible
     good = _ready("acme", "after-the-poison")
     ready = settings.topic("job.ready")

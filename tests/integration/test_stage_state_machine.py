@@ -20,7 +20,7 @@ from jobstream.producer import uploaded_event
 from jobstream.settings import Settings
 from jobstream.store import Claim, LeaseHeld, Skip, Store
 from schemas.events import JobFailed, JobFailedPayload, LlmDone, LlmDonePayload, decode_event
-from streams.actions import redrive, sweep
+from streams.actions import give_up, redrive, sweep
 from streams.context import StageContext, outbox_msg
 from streams.intake import handle_intake
 from streams.runner import run_stage
@@ -297,7 +297,7 @@ def test_a_stage_out_of_runs_fails_once_with_its_orphans_closed(job) -> None:
 
 # ----------------------------------------------------------------- running -> terminal moves
 
-@pytest.mark.parametrize("move", ["fail", "park", "cancel", "release", "complete"])
+@pytest.mark.parametrize("move", ["fail", "park", "cancel", "release", "complete", "give_up"])
 def test_every_terminal_move_of_a_run_is_fenced_by_generation(job, move: str) -> None:
     ctx, _fake, ev = job
     url = ctx.settings.database_url
@@ -319,6 +319,8 @@ def test_every_terminal_move_of_a_run_is_fenced_by_generation(job, move: str) ->
     kw = {"group": GROUP, "event_type": ev.event_type, "event_id": ev.event_id}
     if move == "release":
         ctx.store.release(old, error_code="x", error="x")  # a no-op, never an error
+    elif move == "give_up":  # the generation-0 event's retry budget ran out after the redrive
+        assert give_up(ctx, ev, "retry_budget_exhausted", "x") is False
     else:
         with pytest.raises(StaleRun):
             if move == "fail":

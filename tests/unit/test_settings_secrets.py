@@ -11,7 +11,7 @@ from pydantic import SecretStr
 
 from bench.common import subprocess_env
 from jobstream.drills.chaos import settings_env
-from jobstream.settings import Settings
+from jobstream.settings import Settings, masked_database_url
 
 DSN = "postgresql://jobstream:hunter2@db.example:5432/jobstream"
 
@@ -56,4 +56,9 @@ def test_jobstream_config_prints_no_token_key_or_password() -> None:
     assert r.returncode == 0, r.stderr
     for secret in ("hunter2", "tok-one-secret", "sk-secret-key"):
         assert secret not in r.stdout + r.stderr
-    assert "acme" in r.stdout and "database_dsn = **********" in r.stdout
+    assert "acme" in r.stdout
+    # which database is in use, without its password
+    assert "database_dsn = postgresql://jobstream:**********@" in r.stdout
+    assert masked_database_url("host=db port=5 dbname=x user=u password=hunter2") == \
+        "postgresql://u:**********@db:5/x"
+    assert masked_database_url("not a url ' = ") == "**********"

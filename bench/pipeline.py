@@ -12,7 +12,7 @@ Reported:
 * ``jobs_per_s``: jobs / (first submit .. last job.ready applied), and to ``succeeded``;
 * ``end_to_end_ms``: per job, submit -> applied (p50/p90/p99/max);
 * ``hops``: for each event of the chain, medians (and p90) of the three legs, from the
-  rows' timestamps: ``relay`` (the outbox row's insert -> marked published, i.e. after the
+  rows' timestamps: ``relay`` (the outbox row's insert -> published, i.e. after the
   broker's ack), ``pickup`` (published -> the next stage claimed it: Kafka fetch, faust, the
   claim transaction, and the wait behind earlier jobs of the burst) and ``work`` (claimed ->
   the completion transaction began); ``hops_idle``: the same for ``--idle-jobs`` jobs sent
@@ -309,7 +309,7 @@ def hop_breakdown(url: str, tenant: str) -> dict[str, Any]:
            extract(epoch FROM coalesce(s.started_at, a.applied_at) - o.published_at) * 1000
                AS pickup_ms,
            extract(epoch FROM s.finished_at - s.started_at) * 1000 AS work_ms
-      FROM outbox o JOIN job j ON j.job_id = (o.headers->>'job_id')::uuid
+      FROM outbox_published o JOIN job j ON o.kafka_key = j.job_id::text
       LEFT JOIN job_stage s ON s.job_id = j.job_id AND s.stage = %s
       LEFT JOIN downstream.document_analysis a ON a.job_id = j.job_id AND %s = 'job.ready'
      WHERE j.tenant_id = %s AND o.event_type = %s
@@ -386,8 +386,9 @@ def run_workers(args: Any, workers: int, relays: int = 1) -> dict[str, Any]:
                     "downstream.document_analysis a WHERE a.tenant_id = %s",
                     (t0, tenant)).fetchall()]
                 kafka_msgs = conn.execute(
-                    "SELECT count(*) AS n FROM outbox o JOIN job j ON j.job_id = "
-                    "(o.headers->>'job_id')::uuid WHERE j.tenant_id = %s",
+                    "SELECT count(*) AS n FROM (SELECT kafka_key FROM outbox_published "
+                    "UNION ALL SELECT kafka_key FROM outbox) o JOIN job j ON "
+                    "o.kafka_key = j.job_id::text WHERE j.tenant_id = %s",
                     (tenant,)).fetchone()
             assert r is not None and kafka_msgs is not None
             hops = hop_breakdown(s.database_url, tenant)

@@ -42,8 +42,10 @@ distributed mode + the Outbox Event Router, a private worker started by
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
+import re
 import threading
 import time
 import uuid
@@ -147,11 +149,15 @@ def write_outbox(url: str, topic: str, n: int, *, writers: int, rows_per_tx: int
 
 class Collector(threading.Thread):
     """Reads ``topic`` from the beginning (assigned, no group) and keeps the broker timestamp
-    (ms) of the first copy of each event id."""
+    (ms) of the first copy of each event id (with ``keep``, also its key, value and headers
+    in :attr:`messages`: the relay deletes the outbox rows it published)."""
 
-    def __init__(self, settings: Settings, topic: str, expect: int, partitions: int) -> None:
+    def __init__(self, settings: Settings, topic: str, expect: int, partitions: int,
+                 *, keep: bool = False) -> None:
         super().__init__(daemon=True)
         self.expect = expect
+        self.keep = keep
+        self.messages: list[tuple[str, bytes, list[tuple[str, bytes]]]] = []
         self.seen: dict[str, int] = {}
         self.copies = 0
         self.ts_types: set[int] = set()
@@ -175,6 +181,10 @@ class Collector(threading.Thread):
                                None)
                     if eid is not None and eid not in self.seen:
                         self.seen[eid] = ts
+                        if self.keep:
+                            key = m.key()
+                            self.messages.append((key.decode() if key else "",
+                                                  m.value() or b"", list(m.headers() or [])))
         finally:
             self._c.close()
 
@@ -184,11 +194,16 @@ class Collector(threading.Thread):
         self.join(5)
 
 
-def created_at(url: str, topic: str) -> dict[str, float]:
-    """event id -> the row's created_at (wall clock seconds) for the rows of ``topic``."""
+def created_at(url: str, event_ids: list[str]) -> dict[str, float]:
+    """event id -> the row's created_at (wall clock seconds) for ``event_ids``, from the
+    outbox or, once published and deleted, its ``outbox_published`` record."""
+    q = ("SELECT event_id::text AS e, extract(epoch FROM created_at) AS t FROM outbox "
+         "WHERE event_id = ANY(%(ids)s::uuid[])")
     with connect(url) as conn:
-        rows = conn.execute("SELECT event_id::text AS e, extract(epoch FROM created_at) AS t "
-                            "FROM outbox WHERE topic = %s", (topic,)).fetchall()
+        if conn.execute("SELECT to_regclass('outbox_published') AS t").fetchone()["t"]:
+            q += (" UNION ALL SELECT event_id::text, extract(epoch FROM created_at) "
+                  "FROM outbox_published WHERE event_id = ANY(%(ids)s::uuid[])")
+        rows = conn.execute(q, {"ids": event_ids}).fetchall()
     return {r["e"]: float(r["t"]) for r in rows}
 
 
@@ -197,6 +212,27 @@ def unpublished(url: str) -> int:
         row = conn.execute("SELECT count(*) FROM outbox WHERE published_at IS NULL").fetchone()
     assert row is not None
     return int(row[0])
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a live process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def backends_cpu_s(url: str) -> float:
+    """CPU seconds used so far by the client backends of ``url``'s database other than this
+    query's own (read from /proc: Postgres runs on this machine). During a drain these are
+    the relay's connections: the Postgres side of publishing."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        pids = [r[0] for r in conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+            "AND backend_type = 'client backend' AND pid <> pg_backend_pid()").fetchall()]
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError, ValueError):  # gone, or not readable
+            total += cpu_s(pid)
+    return total
 
 
 def wait_drained(url: str, timeout_s: float) -> float:
@@ -224,6 +260,7 @@ def drain(settings: Settings, args: argparse.Namespace, logdir: Path, label: str
     w = write_outbox(settings.database_url, topic, n, writers=args.writers,
                      rows_per_tx=rows_per_tx)
     log(f"{label}: committed in {w['elapsed_s']:.1f}s; starting {relays} relay(s)")
+    msgs = raw_messages(settings.database_url, topic)  # before the relay deletes the rows
     col = Collector(settings, topic, n, settings.topic_partitions)
     col.start()
     load_before = list(os.getloadavg())
@@ -231,6 +268,8 @@ def drain(settings: Settings, args: argparse.Namespace, logdir: Path, label: str
              for i in range(relays)]
     try:
         t_drained = wait_drained(settings.database_url, args.timeout)
+        relay_cpu = sum(cpu_s(p.pid) for p in procs)  # before the relays stop
+        pg_cpu = backends_cpu_s(settings.database_url)
         col.wait(60)
     finally:
         stop(procs)
@@ -246,11 +285,18 @@ def drain(settings: Settings, args: argparse.Namespace, logdir: Path, label: str
         "events_per_s": round(n / (t_drained - first)),
         "produce_span_events_per_s": round(n / max(last - first, 1e-3)),
         "drain_s": round(t_drained - first, 3),
+        # CPU of the relay process(es) over their whole life (start-up included) per 1k rows:
+        # less sensitive to the machine's load than the rate.
+        "relay_cpu_ms_per_1k_rows": round(relay_cpu * 1e6 / n, 1),
+        # The relay's Postgres backends (fetch, mark or delete) over the relay's life.
+        "postgres_cpu_ms_per_1k_rows": round(pg_cpu * 1e6 / n, 1),
+        "relay_transactions_per_event": relay_transactions_per_event(
+            logdir / f"{label}-relay0.log"),
         "messages_on_topic": col.copies,
         "relays_that_stood_by": sum("standing by" in t for t in logs),
         "writers": {"processes": args.writers, "rows_per_tx": rows_per_tx,
                     "commit_rate_per_s": round(n / w["elapsed_s"])},
-        "_topic": topic,
+        "_topic": topic, "_msgs": msgs,
     }
 
 
@@ -304,10 +350,10 @@ def raw_produce(settings: Settings, topic: str,
     return {"elapsed_s": elapsed, "sent": sent}
 
 
-def raw_baseline(settings: Settings, source_topic: str, n: int) -> dict[str, Any]:
+def raw_baseline(settings: Settings, msgs: list[tuple[str, bytes, list[tuple[str, bytes]]]],
+                 n: int) -> dict[str, Any]:
     topic = settings.topic("bench.raw")
     create_topics(settings, [topic], partitions=settings.topic_partitions, config=TOPIC_CONFIG)
-    msgs = raw_messages(settings.database_url, source_topic)
     r = raw_produce(settings, topic, msgs)
     return {"rows": n, "events_per_s": round(n / r["elapsed_s"]),
             "elapsed_s": round(r["elapsed_s"], 3),
@@ -324,6 +370,17 @@ def wait_relay_active(settings: Settings, topic: str, timeout_s: float = 60.0) -
     wait_drained(settings.database_url, timeout_s)
 
 
+def relay_transactions_per_event(logfile: Path) -> float | None:
+    """Postgres transactions of the relay's publishing path per event published, from the
+    ``relay stopped: RelayStats(...)`` line a relay logs at INFO (None when absent)."""
+    text = logfile.read_text(errors="replace") if logfile.exists() else ""
+    found = re.findall(r"relay stopped: RelayStats\(published=(\d+).*?transactions=(\d+)", text)
+    if not found:
+        return None
+    published, tx = map(int, found[-1])
+    return round(tx / max(published, 1), 3)
+
+
 def latency_writers(args: argparse.Namespace, rate: float) -> int:
     """Writer processes for an offered load: ``--latency-writers`` per 1,000 events/s (one
     row per transaction; one process commits ~1-2k/s here)."""
@@ -337,10 +394,11 @@ def latency(settings: Settings, args: argparse.Namespace, logdir: Path,
     create_topics(settings, [topic], partitions=settings.topic_partitions, config=TOPIC_CONFIG)
     n = int(rate * args.seconds)
     writers = latency_writers(args, rate)
-    relay = start_cli(settings, logdir, f"latency{rate:.0f}-relay", "relay")
+    relay = start_cli(settings, logdir, f"latency{rate:.0f}-relay", "relay", log_level="info")
     try:
         wait_relay_active(settings, topic)
-        col = Collector(settings, topic, n + 1, settings.topic_partitions)  # + the probe
+        col = Collector(settings, topic, n + 1, settings.topic_partitions,  # + the probe
+                        keep=True)
         col.start()
         log(f"latency: {rate:.0f} events/s for {args.seconds}s through one relay, "
             f"{writers} writer processes")
@@ -350,7 +408,7 @@ def latency(settings: Settings, args: argparse.Namespace, logdir: Path,
         col.wait(60)
     finally:
         stop([relay])
-    created = created_at(settings.database_url, topic)
+    created = created_at(settings.database_url, list(w["committed"]))
     lat = [col.seen[e] - c * 1000 for e, c in created.items()
            if e in col.seen and e in w["committed"]]  # not the probe
     lat_commit = [col.seen[e] - c * 1000 for e, c in w["committed"].items() if e in col.seen]
@@ -359,8 +417,7 @@ def latency(settings: Settings, args: argparse.Namespace, logdir: Path,
     raw_topic = settings.topic(f"bench.raw_latency{rate:.0f}")
     create_topics(settings, [raw_topic], partitions=settings.topic_partitions,
                   config=TOPIC_CONFIG)
-    msgs = [m for m in raw_messages(settings.database_url, topic)
-            if dict(m[2])["event_id"].decode() in w["committed"]]
+    msgs = [m for m in col.messages if dict(m[2])["event_id"].decode() in w["committed"]]
     rcol = Collector(settings, raw_topic, len(msgs), settings.topic_partitions)
     rcol.start()
     r = raw_produce(settings, raw_topic, msgs, rate=rate)
@@ -373,6 +430,8 @@ def latency(settings: Settings, args: argparse.Namespace, logdir: Path,
         "commit_to_kafka": latency_summary(lat),
         "commit_returned_to_kafka": latency_summary(lat_commit),
         "raw_produce_to_kafka": latency_summary(raw_lat),
+        "relay_transactions_per_event": relay_transactions_per_event(
+            logdir / f"latency{rate:.0f}-relay.log"),
         "_lat": lat, "_raw_lat": raw_lat,
     }
 
@@ -550,14 +609,15 @@ def main() -> None:
         one = drain(s, args, logdir, "relay1", 1)
         result["drain_1_relay"] = one
         log(f"1 relay: {one['events_per_s']} events/s; raw baseline with the same messages")
-        raw = raw_baseline(s, one.pop("_topic"), args.n)
+        one.pop("_topic")
+        raw = raw_baseline(s, one.pop("_msgs"), args.n)
         result["raw_producer"] = raw
         result["relay_vs_raw_ratio"] = round(one["events_per_s"] / raw["events_per_s"], 3)
         log(f"raw: {raw['events_per_s']} events/s, ratio {result['relay_vs_raw_ratio']}")
         if args.n_large:
             big = drain(s, args, logdir, "relaylarge", 1, n=args.n_large,
                         rows_per_tx=args.large_rows_per_tx)
-            big.pop("_topic")
+            big.pop("_topic"), big.pop("_msgs")
             result["drain_large"] = big
             result["large_vs_n_ratio"] = round(big["events_per_s"] / one["events_per_s"], 3)
             result["large_vs_raw_ratio"] = round(big["events_per_s"] / raw["events_per_s"], 3)
@@ -565,7 +625,7 @@ def main() -> None:
                 f"{result['large_vs_n_ratio']} of the {args.n}-row drain")
         if "drain_2_relays" not in skip:
             two = drain(s, args, logdir, "relay2", 2)
-            two.pop("_topic")
+            two.pop("_topic"), two.pop("_msgs")
             result["drain_2_relays"] = two
             log(f"2 relays: {two['events_per_s']} events/s")
         if "latency" not in skip:

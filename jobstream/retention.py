@@ -5,7 +5,10 @@ its own horizon (seconds, settings) and its own reason to be safe (docs/design-n
 "Retention horizons"):
 
 - ``outbox`` (``outbox_retention_s``): published rows only; nothing reads a row once the
-  broker acknowledged it. Unpublished rows are never deleted.
+  broker acknowledged it. Unpublished rows are never deleted. Since migration 0022 the relay
+  deletes a row once it is published; what is left here are rows marked by an older relay.
+- ``outbox_published`` (``outbox_retention_s``): the compact row the relay keeps of each
+  published event (migration 0022), for the crash-matrix invariants and ``jobstream verify``.
 - ``processed_event`` (``processed_event_retention_s``): deleted only when the horizon is
   longer than the longest time a copy of an already-processed event can still reach a
   consumer through Kafka (:func:`required_processed_horizon_s`, from the topics'
@@ -34,7 +37,7 @@ from jobstream.store import Store
 log = logging.getLogger("jobstream.retention")
 
 #: Expirable tables, in the order they are collected.
-TABLES = ("outbox", "processed_event", "job_request")
+TABLES = ("outbox", "outbox_published", "processed_event", "job_request")
 
 
 @dataclass
@@ -54,6 +57,7 @@ class GcReport:
 def horizons(settings: Settings) -> dict[str, float]:
     """The horizon of each table (seconds)."""
     return {"outbox": settings.outbox_retention_s,
+            "outbox_published": settings.outbox_retention_s,
             "processed_event": settings.processed_event_retention_s,
             "job_request": settings.idempotency_retention_s}
 

@@ -249,6 +249,18 @@ class Settings(BaseSettings):
                                 "the bound for rows of transactions open longer than "
                                 "relay_late_commit_s."
     )
+    relay_delete_hold_s: float = Field(
+        0.02, gt=0, description="Relay, caught up: how long acknowledged rows wait for the "
+                                "next commit's NOTIFY, whose fetch deletes them in the same "
+                                "statement (one transaction), before they are deleted alone "
+                                "(seconds). Publishing is not delayed by it."
+    )
+    relay_published_log: bool = Field(
+        True, description="Relay: keep a compact outbox_published row (id, event id and type, "
+                          "key, created and published times) of each row it deletes once "
+                          "published; `jobstream verify`, the chaos drill's invariants and "
+                          "bench.pipeline's relay hop read it (migration 0022)."
+    )
     relay_poll_interval_s: float = Field(
         1.0, gt=0, description="Relay polling fallback when no NOTIFY arrives (seconds)."
     )

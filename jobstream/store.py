@@ -1277,10 +1277,11 @@ class Store:
     # ------------------------------------------------------------------ retention
 
     def gc_batch(self, table: str, *, horizon_s: float, limit: int) -> int:
-        """Delete up to ``limit`` expired rows of ``table`` (``outbox``, ``processed_event``
-        or ``job_request``; see ``gc_<table>`` in queries.sql) older than ``horizon_s``
-        seconds, in ONE short transaction; returns how many were deleted. Raises ``KeyError``
-        for another table, :class:`RetryableError` when Postgres is unavailable."""
+        """Delete up to ``limit`` expired rows of ``table`` (``outbox``, ``outbox_published``,
+        ``processed_event`` or ``job_request``; see ``gc_<table>`` in queries.sql) older
+        than ``horizon_s`` seconds, in ONE short transaction; returns how many were deleted.
+        Raises ``KeyError`` for another table, :class:`RetryableError` when Postgres is
+        unavailable."""
         query = Q[f"gc_{table}"]
         with self.tx() as conn:
             return conn.execute(query, {"horizon_s": horizon_s, "limit": limit}).rowcount

@@ -11,8 +11,10 @@ Protocol (design.md, "Outbox relay"):
    lower id is still published (see "the pipelined loop" below and docs/design-notes.md).
 3. Produce with an idempotent producer (``enable.idempotence=true``, ``acks=all``) without
    waiting: up to ``relay_max_in_flight`` rows are in flight while the next batch is fetched.
-4. Mark a row published only after its delivery report said so, in the reports' order, on the
-   marker thread's own connection. A crash between 3 and 4 re-publishes those rows: that is
+4. Delete a row (keeping its compact ``outbox_published`` record, migration 0022) only after
+   its delivery report said so: while a backlog drains, on the marker thread's own
+   connection; once caught up, in the same statement as the next fetch (one round trip and
+   one transaction per wake-up). A crash between 3 and 4 re-publishes those rows: that is
    the at-least-once side, absorbed by idempotent consumers. A row that can never be
    delivered (over ``message.max.bytes`` = ``kafka_message_max_bytes``, refused by its topic,
    unserialisable) is isolated: a row the broker refused is re-sent alone (its batch-mates
@@ -22,7 +24,7 @@ Protocol (design.md, "Outbox relay"):
    unpublished and are re-sent after a backoff (0.5 s doubling to ``relay_backoff_cap_s``).
 5. Wake on ``LISTEN outbox_v1`` (a NOTIFY is sent by a trigger at commit); fall back to polling
    every ``relay_poll_interval_s``. Every ``gc_interval_s`` the active relay runs retention
-   (:mod:`jobstream.retention`): published outbox rows, idempotent-consumer rows and
+   (:mod:`jobstream.retention`): ``outbox_published`` records, idempotent-consumer rows and
    idempotency records past their horizons, a bounded number of batches per run.
 6. The active relay also runs the stuck-stage sweeper (``streams.actions.sweep``).
 """
@@ -37,12 +39,15 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from functools import partial
 from typing import Any
 
+import orjson
 import psycopg
 from confluent_kafka import KafkaError, KafkaException, Producer
 from psycopg.rows import tuple_row
+from psycopg.types.json import set_json_loads
 
 from jobstream import faults, health
 from jobstream.db import QUERIES as Q
@@ -98,31 +103,47 @@ class RelayStats:
     """Counters of one relay process (rows published, batches, failed deliveries)."""
 
     published: int = 0
-    batches: int = 0  # mark statements
+    batches: int = 0  # deletes of acknowledged rows (alone or with a fetch)
     failed: int = 0
     parked: int = 0
+    #: Postgres transactions of the publishing path (fetches, deletes, parks; not the
+    #: sweeper's or retention's): bench.relay reports them per event.
+    transactions: int = 0
     started_at: float = field(default_factory=time.monotonic)
 
 
-class Marker(threading.Thread):
-    """Marks delivered rows published on a connection of its own, so the relay's loop does
-    not wait for Postgres to update them. Rows submitted and not yet marked are in
-    :attr:`marking` (the loop must not fetch them again); :meth:`drain` waits for the
-    queue; an error (Postgres gone) is kept and re-raised by :meth:`check`."""
+def delete_params(ids: list[int], at: float, log: bool) -> dict[str, Any]:
+    """Parameters of ``outbox_delete_published``: the row ids, ``at`` (epoch seconds: when
+    the acknowledgements were seen) as a timestamptz, and whether to keep the compact
+    ``outbox_published`` record."""
+    return {"ids": ids, "at": datetime.fromtimestamp(at, UTC), "log": log}
 
-    def __init__(self, url: str) -> None:
+
+class Marker(threading.Thread):
+    """Deletes delivered rows (keeping their ``outbox_published`` record) on a connection of
+    its own, so the relay's loop does not wait for Postgres while a backlog drains. Rows
+    submitted and not yet deleted are in :attr:`marking` (the loop must not fetch them
+    again); :meth:`drain` waits for the queue; an error (Postgres gone) is kept and
+    re-raised by :meth:`check`."""
+
+    def __init__(self, url: str, *, log_published: bool = True) -> None:
         super().__init__(name="relay-marker", daemon=True)
         self._conn = connect(url, autocommit=True)
         self._conn.execute(Q["relay_session_async_commit"])
-        self._queue: queue.Queue[list[int] | None] = queue.Queue()
+        self._query = Q["outbox_delete_published" if log_published
+                        else "outbox_delete_published_nolog"]
+        self._log = log_published
+        self._queue: queue.Queue[tuple[list[int], float] | None] = queue.Queue()
         self.marking: set[int] = set()
         self.error: Exception | None = None
+        self.transactions = 0  # statements run (one autocommit transaction each)
 
-    def submit(self, ids: list[int]) -> None:
-        """Queue a mark of ``ids``; raises the marker's earlier error, if any."""
+    def submit(self, ids: list[int], at: float) -> None:
+        """Queue the delete of ``ids`` (acknowledged at ``at``, epoch seconds); raises the
+        marker's earlier error, if any."""
         self.check()
         self.marking.update(ids)
-        self._queue.put(ids)
+        self._queue.put((ids, at))
 
     def check(self) -> None:
         """Re-raise the error that stopped the marker (its rows were not marked)."""
@@ -130,10 +151,12 @@ class Marker(threading.Thread):
             raise self.error
 
     def run(self) -> None:
-        while (ids := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
+            ids, at = item
             try:
                 if self.error is None:
-                    self._conn.execute(Q["outbox_mark_published"], (ids,))
+                    self.transactions += 1
+                    self._conn.execute(self._query, delete_params(ids, at, self._log))
             except Exception as exc:  # re-raised in the relay's loop
                 self.error = exc
             finally:
@@ -172,6 +195,7 @@ class OutboxRelay:
         # The pipeline (see pump): rows in flight by id, acknowledged (to mark), failed.
         self._pending: dict[int, tuple[Any, ...]] = {}
         self._acked: list[tuple[Any, ...]] = []
+        self._acked_at = 0.0  # wall time (epoch s) of the latest acknowledgement seen
         self._failed: list[tuple[tuple[Any, ...], KafkaError]] = []
         self._refused: list[tuple[tuple[Any, ...], str]] = []
         self._marker: Marker | None = None  # in run(): marks on a connection of its own
@@ -233,11 +257,14 @@ class OutboxRelay:
             self._marker.check()
         if self._failed or self._refused:
             self.settle(conn, wait=True)  # raises DeliveryFailed for retriable failures
-        # Marked before the fetch: a row acknowledged but not marked would be fetched again.
-        self.mark(conn)
         if not fetch:
+            # Caught up: the acknowledged rows are deleted by the next fetch's statement
+            # (one transaction per wake-up), unless a batch of them is waiting.
+            if self._draining or len(self._acked) >= self.settings.relay_batch_size:
+                self.mark(conn)
             return 0
         if len(self._pending) >= self.settings.relay_max_in_flight:
+            self.mark(conn)
             poll(0.05)  # the window is full: wait for reports
             return self.settings.relay_batch_size
         rows = self._fetch(conn)
@@ -251,6 +278,8 @@ class OutboxRelay:
         n, st = self.settings.relay_batch_size, self.settings
         now = time.monotonic()
         if self._draining and now - self._last_rescan < st.relay_rescan_s:
+            self.mark(conn)  # on the marker thread: rows after _hwm only are read here
+            self.stats.transactions += 1
             with conn.cursor(row_factory=tuple_row) as cur:
                 rows = cur.execute(Q["outbox_fetch_after"], (self._hwm, n)).fetchall()
         else:
@@ -265,13 +294,17 @@ class OutboxRelay:
             # skipped) or already published in the query's snapshot.
             marking = set(self._marker.marking) if self._marker is not None else set()
             hwm = self._hwm
-            # One statement: late rows between the floor and the last id (those in flight or
-            # being marked skipped), then new rows after the last id.
-            skip = list(pending.keys() | marking)
+            # One statement: the rows acknowledged so far deleted, late rows between the floor
+            # and the last id (those in flight, being deleted or deleted by this statement
+            # skipped), then new rows after the last id. One round trip, one transaction.
+            ids = self._take_acked()
+            skip = list(pending.keys() | marking | set(ids))
+            self.stats.transactions += 1
             with conn.cursor(row_factory=tuple_row) as cur:
-                rows = cur.execute(Q["outbox_fetch_late_and_new"],
-                                   {"floor": floor, "hwm": hwm, "skip": skip,
-                                    "n": n}).fetchall()[:n]
+                rows = cur.execute(Q["outbox_delete_and_fetch"],
+                                   {"floor": floor, "hwm": hwm, "skip": skip, "n": n,
+                                    **delete_params(ids, self._acked_at,
+                                                    st.relay_published_log)}).fetchall()[:n]
             # Below ``low`` every row was published, or not yet visible: committed by a
             # transaction that was still open now (it has its id already).
             late = rows[0][0] if rows and rows[0][0] <= hwm else hwm + 1
@@ -323,31 +356,46 @@ class OutboxRelay:
             return  # given up on earlier (no report in time); it will be fetched again
         if err is None:
             self._acked.append(row)
+            self._acked_at = time.time()
         else:
             self._failed.append((row, err))
 
-    def mark(self, conn: Conn) -> int:
-        """Mark the rows acknowledged so far published (one statement, in the order of their
-        delivery reports); returns how many. In :meth:`run` the statement goes to the marker
-        thread (its own connection), so the next batch is fetched and produced while
-        Postgres updates this one; otherwise it runs on ``conn``. The relay's sessions
-        commit without waiting for the WAL flush: a mark lost in a Postgres crash only
-        re-publishes its rows (the at-least-once side, absorbed by the consumers)."""
+    def _take_acked(self) -> list[int]:
+        """The ids of the rows acknowledged so far, to be deleted by the caller's statement
+        (fault points ``relay_after_produce_before_mark[:<event type>]`` fire first); counts
+        them published."""
         acked = self._acked
         if not acked:
-            return 0
+            return []
         faults.point("relay_after_produce_before_mark")
         for event_type in sorted({r[5] for r in acked}):
             faults.point(f"relay_after_produce_before_mark:{event_type}")
         self._acked = []
-        ids = [r[0] for r in acked]
-        if self._marker is None:
-            conn.execute(Q["outbox_mark_published"], (ids,))
-        else:
-            self._marker.submit(ids)
         self.stats.published += len(acked)
         self.stats.batches += 1
-        return len(acked)
+        return [r[0] for r in acked]
+
+    def mark(self, conn: Conn) -> int:
+        """Delete the rows acknowledged so far (one statement; their compact
+        ``outbox_published`` records kept unless ``relay_published_log`` is off); returns
+        how many. In :meth:`run` the statement goes to the marker thread (its own
+        connection), so the next batch is fetched and produced while Postgres deletes this
+        one; otherwise it runs on ``conn``. (Caught up, the relay deletes them in its next
+        fetch's statement instead: :meth:`_fetch`.) The relay's sessions commit without
+        waiting for the WAL flush: a delete lost in a Postgres crash only re-publishes its
+        rows (the at-least-once side, absorbed by the consumers)."""
+        ids = self._take_acked()
+        if not ids:
+            return 0
+        log_published = self.settings.relay_published_log
+        if self._marker is None:
+            self.stats.transactions += 1
+            conn.execute(Q["outbox_delete_published" if log_published
+                           else "outbox_delete_published_nolog"],
+                         delete_params(ids, self._acked_at, log_published))
+        else:
+            self._marker.submit(ids, self._acked_at)
+        return len(ids)
 
     def settle(self, conn: Conn, *, wait: bool) -> None:
         """Mark what was acknowledged and deal with what failed; with ``wait``, first wait
@@ -554,7 +602,8 @@ class OutboxRelay:
                 self._give_up_in_flight()
                 if self._marker is not None and self._marker.error is not None:
                     self._marker.close()  # its unmarked rows are fetched again
-                    self._marker = Marker(self.settings.database_url)
+                    self.stats.transactions += self._marker.transactions
+                    self._marker = self._new_marker()
                     self._marker.start()
                 self._wait(conn, retry_s)
                 retry_s = min(retry_s * 2, self.settings.relay_backoff_cap_s)
@@ -567,19 +616,26 @@ class OutboxRelay:
                 last_gc = time.monotonic()
             if n < batch:
                 # Caught up: sleep until a NOTIFY (a commit) or the polling interval; with
-                # rows in flight only briefly, to mark them once their reports are in.
-                busy = bool(self._pending or self._acked)
+                # rows in flight only briefly, to serve their reports. Acknowledged rows
+                # wait at most relay_delete_hold_s for the next commit's NOTIFY: its fetch
+                # deletes them in the same statement (one transaction per wake-up).
+                busy = bool(self._pending)
+                st = self.settings
+                timeout = (st.relay_in_flight_wait_s if busy else st.relay_delete_hold_s
+                           if self._acked else min(st.relay_poll_interval_s,
+                                                   st.relay_lock_timeout_s / 3))
                 woke = False
-                for _ in conn.notifies(timeout=self.settings.relay_in_flight_wait_s if busy
-                                       else min(self.settings.relay_poll_interval_s,
-                                                self.settings.relay_lock_timeout_s / 3),
-                                       stop_after=1):
+                for _ in conn.notifies(timeout=timeout, stop_after=1):
                     woke = True
-                # Woken only to mark: no fetch (a commit's NOTIFY, or the polling
-                # interval with nothing in flight, fetches).
+                # Woken only to serve reports: no fetch (a commit's NOTIFY, or the wait
+                # with nothing in flight, fetches).
                 fetch = woke or not busy
             else:
                 fetch = True
+
+    def _new_marker(self) -> Marker:
+        return Marker(self.settings.database_url,
+                      log_published=self.settings.relay_published_log)
 
     def _reset_pipeline(self) -> None:
         """Forget the rows in flight (a new session: they are fetched again)."""
@@ -612,6 +668,7 @@ class OutboxRelay:
         finally:
             self._marker = None
             marker.close()  # runs the marks queued so far
+            self.stats.transactions += marker.transactions
         if marker.error is not None:
             log.info("could not mark the last delivered rows (%s); they will be published "
                      "again", marker.error)
@@ -632,6 +689,9 @@ class OutboxRelay:
                     if not self._acquire_lock(conn):
                         break
                     conn.execute(f"LISTEN {CHANNEL}")  # constant channel name, not input
+                    # The jsonb headers of every fetched row, decoded by orjson (C) rather
+                    # than json.loads: the largest item of the relay's profile (bench/README.md).
+                    set_json_loads(orjson.loads, conn)
                     log.info("housekeeping active (lock held): sweeper and retention, not "
                              "publishing" if self.housekeeping_only
                              else "relay active (lock held); publishing outbox")
@@ -640,7 +700,7 @@ class OutboxRelay:
                     conn.execute(Q["relay_session_async_commit"])
                     self._reset_pipeline()
                     if not self.housekeeping_only:
-                        self._marker = Marker(self.settings.database_url)
+                        self._marker = self._new_marker()
                         self._marker.start()
                     try:
                         self._relay_loop(conn)

@@ -227,8 +227,8 @@ def check_invariants(settings: Settings, *, tenant: str, keys: list[str],
         def rows(name: str) -> list[dict[str, Any]]:
             return conn.execute(Q[name], (tenant,)).fetchall()
         jobs, stages, chunks = rows("inv_jobs"), rows("inv_stages"), rows("inv_chunks")
-        attempts, outbox, processed = rows("inv_attempts"), rows("inv_outbox"), rows(
-            "inv_processed")
+        attempts, processed = rows("inv_attempts"), rows("inv_processed")
+        outbox = conn.execute(Q["inv_outbox"], {"tenant": tenant}).fetchall()
         analyses = {r["dedup_key"]: r["n"] for r in rows("inv_analyses")}
         charges = {r["dedup_key"]: r["n"] for r in rows("inv_charges")}
     effects: Counter[str] = Counter()
@@ -266,6 +266,16 @@ def check_invariants(settings: Settings, *, tenant: str, keys: list[str],
                 v.append(f"job {jid}: stage {st} was claimed {s['attempt']} times")
 
     # 2. one result per stage: one outbox row per (job, event type), that id on the topic.
+    # (A published row is deleted by the relay, its outbox_published record kept: migration
+    # 0022. That record has no payload: the generation is the event's, read on the topic.)
+    topics = [settings.topic(t) for t in (*JOB_EVENTS, "job.failed")]
+    on_topic: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
+    generation_of: dict[str, int] = {}
+    for m in read_to_end(settings, topics):
+        ev = json.loads(m.value() or b"{}")
+        if ev.get("tenant_id") == tenant:
+            on_topic[(ev["job_id"], ev["event_type"])][ev["event_id"]] += 1
+            generation_of[str(ev["event_id"])] = int(ev.get("generation") or 0)
     outbox_ids: dict[tuple[str, str], list[str]] = defaultdict(list)
     for o in outbox:
         outbox_ids[(o["kafka_key"], o["event_type"])].append(str(o["event_id"]))
@@ -273,7 +283,9 @@ def check_invariants(settings: Settings, *, tenant: str, keys: list[str],
             v.append(f"outbox row {o['id']} ({o['event_type']}) never published")
     gens: dict[tuple[str, str], list[int]] = defaultdict(list)
     for o in outbox:
-        gens[(str(o["kafka_key"]), o["event_type"])].append(o["generation"])
+        gen = o["generation"] if o["generation"] is not None else generation_of.get(
+            str(o["event_id"]), -1)  # -1: published, yet not on the topic (reported below)
+        gens[(str(o["kafka_key"]), o["event_type"])].append(gen)
     # A re-drive writes a stage's input event again, one generation up: one row per generation.
     redriven = {k for k, g in gens.items() if redrives and len(g) > 1
                 and len(set(g)) == len(g) and k[1] != "job.ready"}
@@ -286,12 +298,6 @@ def check_invariants(settings: Settings, *, tenant: str, keys: list[str],
                 v.append(f"job {jid}: {n} {et} outbox rows (one result per stage expected)")
         if outbox_ids.get((jid, "job.failed")):
             v.append(f"job {jid}: job.failed in the outbox")
-    topics = [settings.topic(t) for t in (*JOB_EVENTS, "job.failed")]
-    on_topic: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
-    for m in read_to_end(settings, topics):
-        ev = json.loads(m.value() or b"{}")
-        if ev.get("tenant_id") == tenant:
-            on_topic[(ev["job_id"], ev["event_type"])][ev["event_id"]] += 1
     for jid in job_ids:
         terminal = set(on_topic[(jid, "job.ready")]) | set(on_topic[(jid, "job.failed")])
         if len(terminal) != 1:
@@ -409,7 +415,7 @@ def quiescent(settings: Settings, tenant: str, n_jobs: int) -> bool:
     committed to the end of its topics (so no duplicate is still on its way)."""
     with connect(settings.database_url, autocommit=True) as conn:
         jobs = conn.execute(Q["inv_jobs"], (tenant,)).fetchall()
-        outbox = conn.execute(Q["inv_outbox"], (tenant,)).fetchall()
+        outbox = conn.execute(Q["inv_outbox"], {"tenant": tenant}).fetchall()
         applied = {r["dedup_key"] for r in conn.execute(Q["inv_analyses"], (tenant,))}
     if len(jobs) < n_jobs or any(j["status"] not in TERMINAL for j in jobs):
         return False

@@ -533,19 +533,6 @@ UPDATE job SET trace_id = %s WHERE job_id = %s AND trace_id IS NULL;
 SELECT id, topic, kafka_key, payload, headers, event_type FROM outbox
  WHERE published_at IS NULL AND id > %s ORDER BY id LIMIT %s;
 
--- name: outbox_fetch_late_and_new
--- The relay's look from its floor (outbox_relay/relay.py, "the pipelined loop"): rows of
--- transactions that committed late, between the floor and its last id, except those it has
--- in flight or is marking (%(skip)s; `<> ALL` is hashed), then rows after its last id; in
--- id order within each part, late rows first.
-(SELECT id, topic, kafka_key, payload, headers, event_type FROM outbox
-  WHERE published_at IS NULL AND id > %(floor)s AND id <= %(hwm)s
-    AND id <> ALL(%(skip)s::bigint[])
-  ORDER BY id LIMIT %(n)s)
-UNION ALL
-(SELECT id, topic, kafka_key, payload, headers, event_type FROM outbox
-  WHERE published_at IS NULL AND id > %(hwm)s ORDER BY id LIMIT %(n)s);
-
 -- name: relay_session_async_commit
 -- The relay's marks commit without waiting for the WAL flush: losing one in a crash only
 -- re-publishes rows already delivered (at-least-once; consumers are idempotent).
@@ -555,8 +542,36 @@ SET synchronous_commit TO off;
 -- Parking a row (dead_letter + failing its job) commits durably, as every stage write does.
 SET LOCAL synchronous_commit TO on;
 
--- name: outbox_mark_published
-UPDATE outbox SET published_at = now() WHERE id = ANY(%s);
+-- name: outbox_delete_published
+-- The relay deletes the rows the broker acknowledged (migration 0022), and keeps the compact
+-- outbox_published row its readers need; %(at)s is when the relay saw the acknowledgements.
+WITH gone AS (DELETE FROM outbox WHERE id = ANY(%(ids)s::bigint[])
+              RETURNING id, event_id, event_type, kafka_key, created_at)
+INSERT INTO outbox_published (id, event_id, event_type, kafka_key, created_at, published_at)
+SELECT id, event_id, event_type, kafka_key, created_at, %(at)s FROM gone;
+
+-- name: outbox_delete_published_nolog
+-- The same without the compact row (JOBSTREAM_RELAY_PUBLISHED_LOG=false).
+DELETE FROM outbox WHERE id = ANY(%(ids)s::bigint[]);
+
+-- name: outbox_delete_and_fetch
+-- The relay caught up (outbox_relay/relay.py, "fewer transactions"): the rows acknowledged
+-- since its last fetch are deleted and the next rows fetched in ONE statement (one round trip,
+-- one transaction). The SELECTs see the snapshot taken before the DELETE: the rows being
+-- deleted are in %(skip)s (or at or below %(hwm)s).
+WITH gone AS (DELETE FROM outbox WHERE id = ANY(%(ids)s::bigint[])
+              RETURNING id, event_id, event_type, kafka_key, created_at),
+     kept AS (INSERT INTO outbox_published (id, event_id, event_type, kafka_key, created_at,
+                                            published_at)
+              SELECT id, event_id, event_type, kafka_key, created_at, %(at)s FROM gone
+               WHERE %(log)s)
+(SELECT id, topic, kafka_key, payload, headers, event_type FROM outbox
+  WHERE published_at IS NULL AND id > %(floor)s AND id <= %(hwm)s
+    AND id <> ALL(%(skip)s::bigint[])
+  ORDER BY id LIMIT %(n)s)
+UNION ALL
+(SELECT id, topic, kafka_key, payload, headers, event_type FROM outbox
+  WHERE published_at IS NULL AND id > %(hwm)s ORDER BY id LIMIT %(n)s);
 
 -- name: relay_lock_session_timeout
 -- The relay's lock session is ended by Postgres after %(ms)s milliseconds (text) idle, in or out
@@ -880,6 +895,13 @@ DELETE FROM outbox WHERE id IN (
        AND published_at < now() - make_interval(secs => %(horizon_s)s)
      ORDER BY published_at LIMIT %(limit)s);
 
+-- name: gc_outbox_published
+-- The compact rows of published events (migration 0022), oldest first.
+DELETE FROM outbox_published WHERE ctid IN (
+    SELECT ctid FROM outbox_published
+     WHERE published_at < now() - make_interval(secs => %(horizon_s)s)
+     ORDER BY published_at LIMIT %(limit)s);
+
 -- name: gc_processed_event
 -- Idempotent-consumer rows older than every redelivery window (checked against the topics'
 -- retention by the caller).
@@ -922,10 +944,16 @@ SELECT a.attempt_id, a.job_id, a.stage, a.chunk_idx, a.attempt, a.run_token, a.o
 -- name: inv_outbox
 -- The outbox rows of a tenant's jobs (the Kafka key is the job id), with the event's job
 -- generation (a re-drive writes the stage's input event again, one generation up).
+-- Published rows are in outbox_published (migration 0022), which keeps no payload: their
+-- generation is NULL here and read from the event on the topic by the caller.
 SELECT o.id, o.event_id, o.event_type, o.kafka_key, o.published_at IS NOT NULL AS published,
        coalesce((convert_from(o.payload, 'UTF8')::jsonb ->> 'generation')::int, 0)
            AS generation
-  FROM outbox o JOIN job j ON o.kafka_key = j.job_id::text WHERE j.tenant_id = %s;
+  FROM outbox o JOIN job j ON o.kafka_key = j.job_id::text WHERE j.tenant_id = %(tenant)s
+UNION ALL
+SELECT p.id, p.event_id, p.event_type, p.kafka_key, true, NULL
+  FROM outbox_published p JOIN job j ON p.kafka_key = j.job_id::text
+ WHERE j.tenant_id = %(tenant)s;
 
 -- name: inv_processed
 SELECT p.consumer_group, p.dedup_key, p.event_type, p.event_id, p.job_id
@@ -979,6 +1007,8 @@ SELECT j.job_id, j.status, j.current_stage, j.updated_at FROM job j
    AND NOT EXISTS (SELECT 1 FROM outbox o WHERE o.kafka_key = j.job_id::text
                       AND (o.published_at IS NULL
                            OR o.published_at > now() - make_interval(secs => %(grace_s)s)))
+   AND NOT EXISTS (SELECT 1 FROM outbox_published p WHERE p.kafka_key = j.job_id::text
+                      AND p.published_at > now() - make_interval(secs => %(grace_s)s))
  ORDER BY j.updated_at LIMIT 1000;
 
 -- name: verify_stranded_stages

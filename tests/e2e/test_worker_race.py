@@ -76,6 +76,7 @@ def _snapshot(url: str) -> dict[str, Any]:
         "provider_attempt": "SELECT attempt_id, outcome, run_token, finished_at "
                             "FROM provider_attempt",
         "outbox": "SELECT id, event_id, event_type, published_at FROM outbox",
+        "outbox_published": "SELECT id, event_id, event_type FROM outbox_published",
         "processed_event": "SELECT consumer_group, dedup_key, event_type, event_id "
                            "FROM processed_event",
         "analysis": "SELECT id, dedup_key FROM downstream.document_analysis",

@@ -82,6 +82,12 @@ def test_gc_deletes_only_rows_past_their_horizon_and_keys_stay_bound(
         _sql(url, f"UPDATE outbox SET published_at = {OLD} WHERE id = %s", (by_job[done_old],))
         _sql(url, "UPDATE outbox SET published_at = now() WHERE id = %s", (by_job[done_new],))
         _sql(url, f"UPDATE outbox SET created_at = {OLD} WHERE id = %s", (by_job[open_old],))
+        # The compact records the relay keeps of published rows (migration 0022): one old,
+        # one fresh.
+        for age in (OLD, "now()"):
+            _sql(url, "INSERT INTO outbox_published (id, event_id, event_type, kafka_key, "
+                      f"created_at, published_at) VALUES (0, %s, 'job.ready', 'k', {age}, {age})",
+                 (uuid.uuid4(),))
 
         # Idempotent-consumer rows: one old, one fresh.
         for age, dk in ((OLD, "1" * 64), ("now()", "2" * 64)):
@@ -92,7 +98,8 @@ def test_gc_deletes_only_rows_past_their_horizon_and_keys_stay_bound(
         # Topics keep messages 7 days (broker default): a 1 h horizon is refused for
         # processed_event; the others go.
         first = _gc(procs)
-        assert first["deleted"] == {"outbox": 1, "job_request": 2}, first
+        assert first["deleted"] == {"outbox": 1, "outbox_published": 1, "job_request": 2}, first
+        assert len(query(url, "SELECT 1 FROM outbox_published")) == 1
         assert "redelivery window" in first["skipped"]["processed_event"]
         left = query(url, "SELECT id FROM outbox ORDER BY id")
         assert [r["id"] for r in left] == sorted([by_job[open_old], by_job[done_new]])
@@ -103,7 +110,8 @@ def test_gc_deletes_only_rows_past_their_horizon_and_keys_stay_bound(
         # With topics keeping messages 1 s, a 1 h horizon is longer than any redelivery.
         _set_retention_ms(settings, 1000)
         second = _gc(procs)
-        assert second["deleted"] == {"outbox": 0, "processed_event": 1, "job_request": 0}
+        assert second["deleted"] == {"outbox": 0, "outbox_published": 0, "processed_event": 1,
+                                     "job_request": 0}
         assert second["skipped"] == {}
         assert [r["dedup_key"] for r in query(url, "SELECT dedup_key FROM processed_event")] \
             == ["2" * 64]

@@ -64,7 +64,7 @@ def test_verify_clean_then_reports_exactly_the_broken_invariants(
     query(url, "UPDATE job_stage SET finished_at = now() - interval '1 hour', "
                "updated_at = now() - interval '1 hour' WHERE job_id = %s RETURNING 1",
           (stranded,))
-    query(url, "UPDATE outbox SET created_at = created_at - interval '1 hour', "
+    query(url, "UPDATE outbox_published SET created_at = created_at - interval '1 hour', "
                "published_at = published_at - interval '1 hour' WHERE kafka_key = %s "
                "RETURNING 1", (stranded,))
     query(url, "UPDATE job SET status = 'running', current_stage = 'llm', "

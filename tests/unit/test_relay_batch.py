@@ -1,7 +1,7 @@
 """OutboxRelay.publish_batch with a fake connection and producer (no services needed): rows
-go out as they are, non-string header values are stringified, and a row is marked only after
-its delivery succeeded. The relay's failure paths with a real broker are in
-tests/integration/test_relay_isolation.py."""
+go out as they are, non-string header values are stringified, and a row is deleted (its
+outbox_published record kept) only after its delivery succeeded. The relay's failure paths
+with a real broker are in tests/integration/test_relay_isolation.py."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class FakeConn:
                 if q == Q["outbox_fetch_after"]:  # unpublished rows after an id
                     after, limit = params
                     self.result = [r for r in conn.rows if r[0] > after][:limit]
-                elif q == Q["outbox_fetch_late_and_new"]:  # no late rows in these tests
+                elif q == Q["outbox_delete_and_fetch"]:  # no late rows in these tests
                     self.result = [r for r in conn.rows if r[0] > params["hwm"]][:params["n"]]
                 else:
                     self.result = []
@@ -87,23 +87,30 @@ ROWS = [(1, "t", "k1", b"v1", {"event_id": "e1", "schema_version": "1"}, "job.re
         (2, "t", "k2", b"v2", {"event_id": "e2", "schema_version": 1}, "job.ready")]
 
 
-def test_rows_are_sent_in_order_then_marked() -> None:
+def _deleted(conn: FakeConn) -> list[list[int]]:
+    """The ids of every delete the relay ran (alone, or with a fetch)."""
+    return [p["ids"] for q, p in conn.executed
+            if q in (Q["outbox_delete_published"], Q["outbox_delete_and_fetch"]) and p["ids"]]
+
+
+def test_rows_are_sent_in_order_then_deleted() -> None:
     conn, producer = FakeConn(ROWS), FakeProducer()
     assert _relay(producer).publish_batch(conn) == 2  # type: ignore[arg-type]
     assert [m["key"] for m in producer.sent] == ["k1", "k2"]
     assert producer.sent[1]["headers"] == {"event_id": "e2", "schema_version": "1"}
-    assert conn.executed[-1] == (Q["outbox_mark_published"], ([1, 2],))
+    assert conn.executed[-1][0] == Q["outbox_delete_published"]
+    assert _deleted(conn) == [[1, 2]]
 
 
-def test_nothing_is_marked_when_a_delivery_failed() -> None:
+def test_nothing_is_deleted_when_a_delivery_failed() -> None:
     conn, producer = FakeConn(ROWS), FakeProducer(fail=True)
     with pytest.raises(DeliveryFailed):
         _relay(producer).publish_batch(conn)  # type: ignore[arg-type]
-    assert all(q != Q["outbox_mark_published"] for q, _ in conn.executed)
+    assert _deleted(conn) == []
 
 
-def test_delivered_rows_are_marked_when_another_failed_retriably() -> None:
+def test_delivered_rows_are_deleted_when_another_failed_retriably() -> None:
     conn, producer = FakeConn(ROWS), FakeProducer(fail_keys=("k1",))
     with pytest.raises(DeliveryFailed):
         _relay(producer).publish_batch(conn)  # type: ignore[arg-type]
-    assert (Q["outbox_mark_published"], ([2],)) in conn.executed
+    assert _deleted(conn) == [[2]]

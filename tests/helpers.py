@@ -172,3 +172,31 @@ def set_topic_config(settings: Settings, topic: str, key: str, value: str,
         (cfg,) = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, topic)]).values()
         return bool(cfg.result(timeout_s)[key].value == value)
     wait_for(in_force, timeout_s, f"{key}={value} in force on {topic}")
+
+
+def text_uploaded(key: str, text: str, *, sha256: str | None = None,
+                  tenant: str = "acme") -> Any:
+    """A ``document.uploaded`` of ``text`` as an inline ``text/plain`` document named
+    ``<key>.txt``, idempotency key ``key`` (``sha256``: a wrong one, to make it hostile)."""
+    import base64
+    import hashlib
+
+    from schemas.events import DocumentRef, DocumentUploaded, DocumentUploadedPayload
+    data = text.encode()
+    doc = DocumentRef(filename=f"{key}.txt", sha256=sha256 or hashlib.sha256(data).hexdigest(),
+                      size_bytes=len(data), content_b64=base64.b64encode(data).decode())
+    return DocumentUploaded(tenant_id=tenant, idempotency_key=key,
+                            payload=DocumentUploadedPayload(document=doc))
+
+
+def job_ready(name: str, *, charge_usd: float = 0.5) -> Any:
+    """A well-formed ``job.ready`` of tenant ``acme`` with a fresh job id and dedup key
+    (``name`` is its idempotency key, title and filename)."""
+    from schemas.events import DocumentAnalysis, JobReady, JobReadyPayload
+    return JobReady(
+        tenant_id="acme", idempotency_key=name, job_id=uuid.uuid4(),
+        dedup_key=uuid.uuid4().hex * 2,
+        payload=JobReadyPayload(
+            result=DocumentAnalysis(title=name, summary="s", keywords=["a"], word_count=1,
+                                    chunk_count=1, fields={}),
+            document_sha256="a" * 64, filename=name, cost_usd=0.0, charge_usd=charge_usd))

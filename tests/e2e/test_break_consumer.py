@@ -15,27 +15,20 @@ from __future__ import annotations
 import os
 import signal
 import time
-import uuid
 
 import pytest
 
 from jobstream.kafka import group_lag
 from jobstream.producer import produce_raw
 from jobstream.settings import Settings
-from schemas.events import DocumentAnalysis, JobReady, JobReadyPayload, encode_event
-from tests.helpers import ProcessRunner, query, read_topic, wait_for
+from schemas.events import JobReady, encode_event
+from tests.helpers import ProcessRunner, job_ready, query, read_topic, wait_for
 
 pytestmark = pytest.mark.e2e
 
 
 def _ready(name: str) -> JobReady:
-    return JobReady(
-        tenant_id="acme", idempotency_key=name, job_id=uuid.uuid4(),
-        dedup_key=uuid.uuid4().hex * 2,
-        payload=JobReadyPayload(
-            result=DocumentAnalysis(title=name, summary="s", keywords=["a"], word_count=1,
-                                    chunk_count=1, fields={}),
-            document_sha256="a" * 64, filename=name, cost_usd=0.0, charge_usd=0.01))
+    return job_ready(name, charge_usd=0.01)
 
 
 def _produce(settings: Settings, events: list[JobReady]) -> None:

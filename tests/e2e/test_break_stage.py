@@ -11,8 +11,6 @@ at once with ``internal_error`` and a ``job.failed`` event, the message is dead-
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import os
 import signal
 
@@ -21,8 +19,9 @@ import pytest
 
 from jobstream.producer import produce_raw
 from jobstream.settings import Settings
-from schemas.events import DocumentRef, DocumentUploaded, DocumentUploadedPayload, encode_event
+from schemas.events import encode_event
 from tests.helpers import ProcessRunner, query, read_topic, wait_for
+from tests.helpers import text_uploaded as _uploaded
 
 pytestmark = pytest.mark.e2e
 
@@ -37,15 +36,6 @@ END $$;
 CREATE TRIGGER break_refuse_chunk BEFORE INSERT OR UPDATE ON job_stage
   FOR EACH ROW EXECUTE FUNCTION break_refuse_chunk();
 """
-
-
-def _uploaded(key: str, text: str) -> DocumentUploaded:
-    data = text.encode()
-    doc = DocumentRef(filename=f"{key}.txt", content_type="text/plain",
-                      sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data),
-                      content_b64=base64.b64encode(data).decode())
-    return DocumentUploaded(tenant_id="acme", idempotency_key=key,
-                            payload=DocumentUploadedPayload(document=doc))
 
 
 def _job(settings: Settings, key: str) -> dict:

@@ -6,26 +6,16 @@ before the offset commit) loses nothing and duplicates nothing.
 
 from __future__ import annotations
 
-import base64
-import hashlib
-
 import pytest
 
 from jobstream.kafka import group_lag
 from jobstream.producer import produce_raw
 from jobstream.settings import Settings
-from schemas.events import DocumentRef, DocumentUploaded, DocumentUploadedPayload, encode_event
+from schemas.events import DocumentUploaded, encode_event
 from tests.helpers import ProcessRunner, query, read_topic, wait_for
+from tests.helpers import text_uploaded as _uploaded
 
 pytestmark = pytest.mark.e2e
-
-
-def _uploaded(key: str, text: str, sha256: str | None = None) -> DocumentUploaded:
-    data = text.encode()
-    doc = DocumentRef(filename=f"{key}.txt", sha256=sha256 or hashlib.sha256(data).hexdigest(),
-                      size_bytes=len(data), content_b64=base64.b64encode(data).decode())
-    return DocumentUploaded(tenant_id="acme", idempotency_key=key,
-                            payload=DocumentUploadedPayload(document=doc, model_profile="local"))
 
 
 def _kv(ev: DocumentUploaded) -> tuple[bytes, bytes]:

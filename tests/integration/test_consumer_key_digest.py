@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import uuid
 from typing import Any
 
 import psycopg
@@ -18,7 +17,8 @@ from consumers import ConsumerSettings, IdempotentConsumer, create_tables
 from consumers.ddl import KEY_DIGEST_SQL, key_digest, upgrade_tables
 from jobstream.producer import produce_raw
 from jobstream.settings import Settings
-from schemas.events import DocumentAnalysis, JobReady, JobReadyPayload, encode_event
+from schemas.events import JobReady, encode_event
+from tests.helpers import job_ready as _ready
 from tests.helpers import query, wait_for
 
 pytestmark = pytest.mark.integration
@@ -39,16 +39,6 @@ CREATE TABLE {SCHEMA}.processed_event (
 CREATE INDEX processed_event_processed_at ON {SCHEMA}.processed_event (processed_at);
 CREATE UNIQUE INDEX processed_event_event_id ON {SCHEMA}.processed_event (consumer_group, event_id);
 """
-
-
-def _ready(name: str) -> JobReady:
-    return JobReady(
-        tenant_id="acme", idempotency_key=name, job_id=uuid.uuid4(),
-        dedup_key=uuid.uuid4().hex * 2,
-        payload=JobReadyPayload(
-            result=DocumentAnalysis(title=name, summary="s", keywords=["a"], word_count=1,
-                                    chunk_count=1, fields={}),
-            document_sha256="a" * 64, filename=name, cost_usd=0.0, charge_usd=0.5))
 
 
 def _consumer(settings: Settings, seen: dict[str, list[Any]]) -> IdempotentConsumer:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-import uuid
 from typing import Any
 
 import psycopg
@@ -17,21 +16,12 @@ import pytest
 from consumers import ConsumerSettings, IdempotentConsumer, create_tables
 from jobstream.producer import produce_raw
 from jobstream.settings import Settings
-from schemas.events import DocumentAnalysis, JobReady, JobReadyPayload, encode_event
+from schemas.events import JobReady, encode_event
+from tests.helpers import job_ready as _ready
 from tests.helpers import query, read_topic, set_topic_config, wait_for
 
 pytestmark = pytest.mark.integration
 SCHEMA = "lib_test"
-
-
-def _ready(name: str) -> JobReady:
-    return JobReady(
-        tenant_id="acme", idempotency_key=name, job_id=uuid.uuid4(),
-        dedup_key=uuid.uuid4().hex * 2,
-        payload=JobReadyPayload(
-            result=DocumentAnalysis(title=name, summary="s", keywords=["a"], word_count=1,
-                                    chunk_count=1, fields={}),
-            document_sha256="a" * 64, filename=name, cost_usd=0.0, charge_usd=0.5))
 
 
 def test_standalone_library_routes_applies_and_collects(settings: Settings) -> None:

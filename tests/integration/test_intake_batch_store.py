@@ -4,9 +4,7 @@ idempotent, and a row Postgres refuses in the middle costs only its own intent."
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
-import hashlib
 from typing import Any
 
 import psycopg
@@ -15,20 +13,13 @@ import pytest
 from jobstream.errors import IdempotencyConflict, PoisonMessage
 from jobstream.settings import Settings
 from jobstream.store import IntakeResult, Store
-from schemas.events import DocumentRef, DocumentUploaded, DocumentUploadedPayload
+from schemas.events import DocumentUploaded
 from streams.context import StageContext
 from streams.intake import IntakeBatcher, intake_intent
 from tests.helpers import query
+from tests.helpers import text_uploaded as _uploaded
 
 pytestmark = pytest.mark.integration
-
-
-def _uploaded(key: str, text: str, sha256: str | None = None) -> DocumentUploaded:
-    data = text.encode()
-    doc = DocumentRef(filename=f"{key}.txt", sha256=sha256 or hashlib.sha256(data).hexdigest(),
-                      size_bytes=len(data), content_b64=base64.b64encode(data).decode())
-    return DocumentUploaded(tenant_id="acme", idempotency_key=key,
-                            payload=DocumentUploadedPayload(document=doc))
 
 
 def test_one_transaction_for_the_batch_and_a_refused_row_loses_only_itself(

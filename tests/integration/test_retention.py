@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 import uuid
 
@@ -20,10 +18,10 @@ from jobstream.errors import IdempotencyConflict
 from jobstream.kafka import all_topics
 from jobstream.settings import Settings
 from jobstream.store import Store
-from schemas.events import DocumentRef, DocumentUploaded, DocumentUploadedPayload
+from schemas.events import DocumentUploaded
 from streams.context import StageContext
 from streams.intake import handle_intake
-from tests.helpers import ProcessRunner, query
+from tests.helpers import ProcessRunner, query, text_uploaded
 
 pytestmark = pytest.mark.integration
 
@@ -33,11 +31,7 @@ OLD = "now() - interval '2 hours'"
 
 
 def _uploaded(key: str, text: str) -> DocumentUploaded:
-    data = text.encode()
-    doc = DocumentRef(filename=f"{key}.txt", sha256=hashlib.sha256(data).hexdigest(),
-                      size_bytes=len(data), content_b64=base64.b64encode(data).decode())
-    return DocumentUploaded(tenant_id="gc", idempotency_key=key,
-                            payload=DocumentUploadedPayload(document=doc))
+    return text_uploaded(key, text, tenant="gc")
 
 
 def _sql(url: str, q: str, params: tuple = ()) -> None:

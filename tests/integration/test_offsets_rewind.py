@@ -42,15 +42,24 @@ def test_rewind_to_committed_re_reads_from_the_committed_offset(
     assert producer.flush(20) == 0
     tp = TopicPartition(topic, 0)
 
+    def consumer() -> AIOKafkaConsumer:
+        return AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap_servers,
+                                group_id=settings.group("rewind-test"),
+                                enable_auto_commit=False, auto_offset_reset="earliest")
+
     async def scenario() -> None:
-        c = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap_servers,
-                             group_id=settings.group("rewind-test"), enable_auto_commit=False,
-                             auto_offset_reset="earliest")
+        if committed is not None:  # committed BEFORE the consumer under test is assigned: a
+            c0 = consumer()        # commit after assign() races its first position lookup
+            await c0.start()
+            try:
+                c0.assign([tp])
+                await c0.commit({tp: OffsetAndMetadata(committed, "")})
+            finally:
+                await c0.stop()
+        c = consumer()
         await c.start()
         try:
             c.assign([tp])
-            if committed is not None:
-                await c.commit({tp: OffsetAndMetadata(committed, "")})
             assert await _read(c, tp, 2 - (committed or 0)) == [0, 1][committed or 0:]
             # ... fetched, then dropped (as faust does at a rebalance): read them again.
             assert await rewind_to_committed(c) == {tp: committed}

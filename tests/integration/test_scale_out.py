@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import Counter
 from pathlib import Path
@@ -65,4 +66,11 @@ def test_two_relays_one_active_the_standby_takes_over_after_kill_9(
                     "downstream.document_analysis GROUP BY dedup_key")
     assert len(applied) == 12 and all(a["n"] == 1 for a in applied)
     logs = {p.name: p.log_text() for p in procs.procs}
-    assert " -> done" in logs["worker"] and " -> done" in logs["worker-2"]  # work was shared
+    # The group shared the partitions: each worker consumed pipeline events. (Not necessarily
+    # new work each: under load a rebalance can hand a worker's partitions to the other after
+    # it ran their events, so a worker may end with redeliveries only, "-> skipped:duplicate";
+    # seen once in CI. Exactly-once is what the assertions above check.)
+    handled = {name: re.findall(r"job=\S+ round=\d+ -> (\S+)", logs[name])
+               for name in ("worker", "worker-2")}
+    assert all(handled.values()), {n: len(h) for n, h in handled.items()}
+    assert any("done" in h for h in handled.values()), handled

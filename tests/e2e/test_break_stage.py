@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+from typing import Any
 
 import psycopg
 import pytest
@@ -50,6 +51,15 @@ def _ended(settings: Settings, key: str) -> dict:
     return job if job.get("status") in ("failed", "succeeded", "cancelled") else {}
 
 
+
+def _job_failed_events(settings: Settings, procs: ProcessRunner, job_id: object) -> list[Any]:
+    """The ``job.failed`` messages of ``job_id`` on the topic, once the outbox is drained."""
+    wait_for(lambda: not query(settings.database_url,
+                               "SELECT 1 FROM outbox WHERE published_at IS NULL"),
+             60, "the job.failed event published", procs.logs)
+    return [m for m in read_topic(settings, settings.topic("job.failed"))
+            if m.key().decode() == str(job_id)]
+
 def test_a_one_transaction_completion_postgres_refuses_fails_the_job_once(
         settings: Settings, procs: ProcessRunner) -> None:
     with psycopg.connect(settings.database_url, autocommit=True) as conn:
@@ -65,11 +75,7 @@ def test_a_one_transaction_completion_postgres_refuses_fails_the_job_once(
         settings.database_url, "SELECT stage, status, attempt FROM job_stage WHERE job_id = %s",
         (job["job_id"],))}
     assert stages["chunk"] == ("failed", 1), stages
-    wait_for(lambda: not query(settings.database_url,
-                               "SELECT 1 FROM outbox WHERE published_at IS NULL"),
-             60, "the job.failed event published", procs.logs)
-    failed = [m for m in read_topic(settings, settings.topic("job.failed"))
-              if m.key().decode() == str(job["job_id"])]
+    failed = _job_failed_events(settings, procs, job["job_id"])
     assert len(failed) == 1, failed
     dlq = read_topic(settings, settings.topic("job.text_extracted.dlq"))
     assert [dict(m.headers())["dlq_reason_code"] for m in dlq] == [b"unhandled"], dlq
@@ -117,11 +123,7 @@ def test_a_one_transaction_completion_over_statement_timeout_ends_in_the_retry_b
                    "the job whose chunk completion always times out to end", procs.logs)
     assert (job["status"], job["error_code"]) == ("failed", "retry_budget_exhausted"), job
     assert "statement timeout" in worker.log_text(), procs.logs()
-    wait_for(lambda: not query(settings.database_url,
-                               "SELECT 1 FROM outbox WHERE published_at IS NULL"),
-             60, "the job.failed event published", procs.logs)
-    failed = [m for m in read_topic(settings, settings.topic("job.failed"))
-              if m.key().decode() == str(job["job_id"])]
+    failed = _job_failed_events(settings, procs, job["job_id"])
     assert len(failed) == 1, failed
     assert not query(settings.database_url, "SELECT 1 FROM job_stage WHERE job_id = %s AND "
                      "stage = 'chunk' AND status = 'succeeded'", (job["job_id"],))

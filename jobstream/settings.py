@@ -227,6 +227,12 @@ class Settings(BaseSettings):
                                 "failed with a retriable error (seconds; doubles from 0.5)."
     )
     relay_batch_size: int = Field(500, ge=1, description="Outbox rows per relay batch.")
+    relay_linger_ms: float = Field(
+        5.0, ge=0, description="Relay: the producer's linger.ms, how long a message waits for "
+                               "more to share its produce request (milliseconds). Every hop of "
+                               "a job waits this long on an idle pipeline (bench/README.md, "
+                               "Latency); a backlog fills requests without it."
+    )
     relay_max_in_flight: int = Field(
         5000, ge=1, description="Relay: most rows produced and not yet acknowledged; the next "
                                 "batch is fetched while earlier ones are in flight."

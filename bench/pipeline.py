@@ -317,6 +317,27 @@ def appended_at(s: Settings) -> dict[tuple[str, str], float]:
     return out
 
 
+def burst_intake_split(s: Settings, tenant: str, t0: float) -> dict[str, Any]:
+    """The burst's submit -> intake split at the broker's append time of each
+    ``document.uploaded`` (``LogAppendTime``, matched to its job by idempotency key):
+    ``submit_to_kafka_ms`` (t0 -> appended: encoding, the producer's batching and request)
+    and ``kafka_to_intake_ms`` (appended -> the intake transaction's ``now()``: the workers'
+    fetch, faust, decode, the batcher's wait and the batches before it)."""
+    with connect(s.database_url, autocommit=True) as conn:
+        created = {r["k"]: float(r["c"]) for r in conn.execute(
+            "SELECT idempotency_key AS k, extract(epoch FROM created_at) AS c FROM job "
+            "WHERE tenant_id = %s", (tenant,))}
+    to_kafka, from_kafka = [], []
+    for m in read_to_end(s, [s.topic("document.uploaded")], timeout_s=60):
+        key = (m.key() or b"").decode()
+        if key in created:
+            at = m.timestamp()[1] / 1000
+            to_kafka.append((at - t0) * 1000)
+            from_kafka.append((created[key] - at) * 1000)
+    return {"submit_to_kafka_ms": latency_summary(to_kafka),
+            "kafka_to_intake_ms": latency_summary(from_kafka)}
+
+
 def hop_breakdown(url: str, tenant: str,
                   appended: dict[tuple[str, str], float] | None = None) -> dict[str, Any]:
     """Per event of the chain: relay, pickup and work legs (ms), medians and p90. With
@@ -399,7 +420,7 @@ def run_workers(args: Any, workers: int, relays: int = 1) -> dict[str, Any]:
             x0 = xact_commits(s.database_url)
             log(f"{workers} worker(s): submitting {args.jobs} documents")
             t0 = time.time()
-            submit(s, docs, producer=producer)
+            submit(s, docs, producer=None if args.cold_producer else producer)
             submit_s = time.time() - t0
             wait_applied(s.database_url, tenant, args.jobs, args.timeout)
             x1 = xact_commits(s.database_url)
@@ -430,6 +451,7 @@ def run_workers(args: Any, workers: int, relays: int = 1) -> dict[str, Any]:
             assert r is not None and kafka_msgs is not None
             hops = hop_breakdown(s.database_url, tenant)
             intake_ms = [(c - t0) * 1000 for c in hops.pop("_intake_created")]
+            intake_split = burst_intake_split(s, tenant, t0)
         finally:
             stop(list(procs.values()))
     n = args.jobs
@@ -449,6 +471,7 @@ def run_workers(args: Any, workers: int, relays: int = 1) -> dict[str, Any]:
         "end_to_end_ms": latency_summary(e2e),
         "submit_to_intake_commit_ms": latency_summary(intake_ms),
         "submit_produce_ms": round(submit_s * 1000, 1),
+        "submit_to_intake_split": intake_split,
         "hops": hops,
         "idle": idle,
         "where_the_time_goes": {
@@ -540,6 +563,9 @@ def main() -> None:
                    help="py-spy worker0 and the relay during the burst; stacks to DIR")
     p.add_argument("--doc-bytes", type=int, default=3000,
                    help="document size (bytes); 4000 characters make one chunk")
+    p.add_argument("--cold-producer", action="store_true",
+                   help="submit the burst with a new producer (as before issue 12's latency "
+                        "part: its first send waits ~0.5 s for the producer ID)")
     p.add_argument("--worker-log-level", default="warning",
                    help="the workers' --log-level (info: a line per intake batch, in the "
                         "run's log directory)")

@@ -227,11 +227,12 @@ class Settings(BaseSettings):
                                 "failed with a retriable error (seconds; doubles from 0.5)."
     )
     relay_batch_size: int = Field(500, ge=1, description="Outbox rows per relay batch.")
-    relay_linger_ms: float = Field(
-        5.0, ge=0, description="Relay: the producer's linger.ms, how long a message waits for "
-                               "more to share its produce request (milliseconds). Every hop of "
-                               "a job waits this long on an idle pipeline (bench/README.md, "
-                               "Latency); a backlog fills requests without it."
+    relay_send_caught_up: bool = Field(
+        True, description="Relay: rows of a fetch smaller than relay_batch_size (caught up: a "
+                          "trickle of commits) are sent at once (flush(0)) instead of after the "
+                          "producer's linger.ms (5 ms), which every hop of a job on an idle "
+                          "pipeline waited (bench/README.md, Latency). A backlog still fills "
+                          "produce requests over the linger."
     )
     relay_max_in_flight: int = Field(
         5000, ge=1, description="Relay: most rows produced and not yet acknowledged; the next "

@@ -62,8 +62,8 @@ from bench.common import (
     stop,
 )
 from jobstream.db import connect
-from jobstream.kafka import base_config, producer_config, read_to_end
-from jobstream.producer import submit
+from jobstream.kafka import base_config, read_to_end
+from jobstream.producer import submit, submit_producer
 from jobstream.settings import Settings
 from schemas.events import DocumentRef, DocumentUploaded, DocumentUploadedPayload
 from schemas.pipeline import PIPELINE
@@ -402,7 +402,7 @@ def run_workers(args: Any, workers: int, relays: int = 1) -> dict[str, Any]:
             # One producer for the whole run, as a submitting service keeps one: a new
             # idempotent producer's first send waits ~0.5 s for its producer ID (see
             # jobstream.producer.produce_raw), which is not the pipeline's latency.
-            producer = Producer(producer_config(s))
+            producer = submit_producer(s)
             submit(s, documents(2, args.doc_bytes, "warmup"), producer=producer)
             wait_applied(s.database_url, "warmup", 2, 120)
             idle = run_idle_jobs(s, args, producer) if args.idle_jobs else None

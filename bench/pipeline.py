@@ -17,7 +17,11 @@ Reported:
   claim transaction, and the wait behind earlier jobs of the burst) and ``work`` (claimed ->
   the completion transaction began); ``hops_idle``: the same for ``--idle-jobs`` jobs sent
   one at a time on an idle pipeline (no queueing), and ``idle_intake_to_applied_ms``: per such
-  job, the intake commit (``job.created_at``) -> its ``job.ready`` applied downstream;
+  job, the intake commit (``job.created_at``) -> its ``job.ready`` applied downstream; the
+  idle hops are also split at the broker's append time (``to_kafka_ms`` / ``from_kafka_ms``);
+* ``submit_to_intake_commit_ms`` of the burst, with ``submit_produce_ms`` and
+  ``submit_to_intake_split`` (submit -> appended by the broker -> intake). Every submit of a
+  run uses one producer kept for the run (``--cold-producer``: a new one for the burst);
 * ``where_the_time_goes``: Postgres transactions per job (``pg_stat_database.xact_commit``
   of the run's database), Kafka messages per job, and the CPU milliseconds per job of each of
   our processes (workers, relay, downstream), of all Postgres processes, of the Kafka broker

@@ -228,12 +228,12 @@ class Settings(BaseSettings):
                                 "failed with a retriable error (seconds; doubles from 0.5)."
     )
     relay_batch_size: int = Field(500, ge=1, description="Outbox rows per relay batch.")
-    relay_send_caught_up: bool = Field(
-        True, description="Relay: rows of a fetch smaller than relay_batch_size (caught up: a "
-                          "trickle of commits) are sent at once (flush(0)) instead of after the "
-                          "producer's linger.ms (5 ms), which every hop of a job on an idle "
-                          "pipeline waited (bench/README.md, Latency). A backlog still fills "
-                          "produce requests over the linger."
+    relay_linger_ms: float = Field(
+        0.0, ge=0, description="Relay: the producer's linger.ms (milliseconds), how long a row "
+                               "waits for others to share its produce request. Caught up, every "
+                               "hop of a job waited it (5 ms, producer_config's, before issue "
+                               "12's latency part: bench/README.md, Latency); draining a "
+                               "backlog, rows queue behind the requests in flight anyway."
     )
     relay_max_in_flight: int = Field(
         5000, ge=1, description="Relay: most rows produced and not yet acknowledged; the next "

@@ -189,8 +189,10 @@ class OutboxRelay:
         self._stop = threading.Event()
         # murmur2_random: the Java client's partitioner, so a key lands on the partition
         # Kafka Connect (the Debezium relay) would choose: one key, one partition, either relay.
-        self._producer = Producer(producer_config(settings, **{"client.id": "jobstream-relay",
-                                                               "partitioner": "murmur2_random"}))
+        # linger.ms: relay_linger_ms (0: a caught-up row is sent at once; bench/README.md).
+        self._producer = Producer(producer_config(settings, **{
+            "client.id": "jobstream-relay", "partitioner": "murmur2_random",
+            "linger.ms": settings.relay_linger_ms}))
         self._ctx: Any = None  # StageContext of the sweeper, made on first use
         # The pipeline (see pump): rows in flight by id, acknowledged (to mark), failed.
         self._pending: dict[int, tuple[Any, ...]] = {}
@@ -270,10 +272,7 @@ class OutboxRelay:
         rows = self._fetch(conn)
         if rows:
             self._produce(rows)
-            if len(rows) < self.settings.relay_batch_size and self.settings.relay_send_caught_up:
-                self._producer.flush(0)  # caught up: send now, not after linger.ms
-            else:
-                poll(0)
+            poll(0)
         return len(rows)
 
     def _fetch(self, conn: Conn) -> list[tuple[Any, ...]]:

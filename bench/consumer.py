@@ -58,6 +58,8 @@ from jobstream.ready_applier import (
     apply_ready,
     apply_ready_batch,
     apply_ready_batch_json,
+    apply_ready_rows,
+    copy_rows,
     idempotent_consumer,
 )
 from jobstream.settings import Settings
@@ -198,9 +200,12 @@ def make_consumer(settings: Settings, *, dedup: bool, max_batch: int | None, han
         consumer._table = sql.Identifier(BENCH_SCHEMA, consumer.settings.table)
     consumer.settings = consumer.settings.model_copy(update={"decode_ahead": decode_ahead})
     consumer.on(JobReady, topic=settings.topic("job.ready"))(apply_ready)
-    if handler != "per-event":
-        consumer.on_batch(JobReady)(apply_ready_batch if handler == "copy"
-                                    else apply_ready_batch_json)
+    if handler == "copy":  # what jobstream.ready_applier.build registers
+        consumer.on_batch(JobReady, prepare=copy_rows)(apply_ready_rows)
+    elif handler == "copy-in-apply":  # the same rows, formatted in the applying thread
+        consumer.on_batch(JobReady)(apply_ready_batch)
+    elif handler == "json":
+        consumer.on_batch(JobReady)(apply_ready_batch_json)
     if not dedup:
         consumer._new_events = lambda conn, seen, first: list(seen)  # type: ignore[method-assign]
         consumer._record = lambda conn, event: (1,)  # type: ignore[method-assign]
@@ -360,8 +365,11 @@ def main() -> None:
     p.add_argument("--max-batch", type=int,
                    help="override IdempotentConsumer.max_batch (1 = a transaction per message; "
                         "default: ConsumerSettings.batch_size)")
-    p.add_argument("--handler", choices=["copy", "json", "per-event"], default="copy",
-                   help="batch handler: binary COPY (apply_ready_batch, default), jsonb "
+    p.add_argument("--handler", choices=["copy", "copy-in-apply", "json", "per-event"],
+                   default="copy",
+                   help="batch handler: binary COPY of rows prepared in the decode-ahead "
+                        "thread (copy_rows + apply_ready_rows, default), the same COPY "
+                        "formatted in the applying thread (apply_ready_batch), jsonb "
                         "multi-row INSERTs (apply_ready_batch_json), or none (the per-event "
                         "handler for each new event, pipelined)")
     p.add_argument("--no-decode-ahead", action="store_true",

@@ -18,8 +18,9 @@ group, one after another:
   Postgres transaction per batch, the offset stored after the commit. Its dedup table
   (``--dedup-table``): ``digest`` (default), the library's current table
   (``consumers.ddl.create_tables`` in schema ``consumer_bench``: a 16-byte ``key_digest``
-  primary key), or ``keyed``, jobstream's own ``processed_event`` (the first shape: primary key
-  on ``(consumer_group, dedup_key, event_type)``, shared with the stage agents).
+  primary key), or ``jobstream``, jobstream's own ``processed_event`` (shared with the stage
+  agents; the same ``key_digest`` primary key since migration 0026, with the SQL function
+  ``processed_event_key`` its stage queries use).
 
 Rate = messages / (first message handed to the application .. last offset stored). Before each
 apply run the effect tables and ``processed_event`` are emptied; after each idempotent run the
@@ -192,7 +193,7 @@ def make_consumer(settings: Settings, *, dedup: bool, max_batch: int | None, han
     """The ready applier (``jobstream.ready_applier.build``'s handlers) in a fresh group;
     ``dedup=False``: the at-least-once baseline (no ``processed_event`` insert or check, every
     delivered message applied). ``dedup_table``: ``digest`` (the library's table in
-    :data:`BENCH_SCHEMA`) or ``keyed`` (jobstream's ``processed_event``)."""
+    :data:`BENCH_SCHEMA`) or ``jobstream`` (jobstream's ``processed_event``)."""
     consumer = idempotent_consumer(settings, group=f"{settings.topic_prefix}apply-"
                                    f"{uuid.uuid4().hex[:8]}", topics=[], event_types=(),
                                    max_batch=max_batch)
@@ -374,10 +375,10 @@ def main() -> None:
                         "handler for each new event, pipelined)")
     p.add_argument("--no-decode-ahead", action="store_true",
                    help="decode each batch in the applying thread (decode_ahead=False)")
-    p.add_argument("--dedup-table", choices=["digest", "keyed"], default="digest",
-                   help="the idempotent apply's dedup table: the library's (key_digest primary "
-                        "key, schema consumer_bench; default) or jobstream's processed_event "
-                        "(primary key on the three text columns)")
+    p.add_argument("--dedup-table", choices=["digest", "jobstream"], default="digest",
+                   help="the idempotent apply's dedup table: the library's (schema "
+                        "consumer_bench; default) or jobstream's own processed_event (both "
+                        "keyed by the 16-byte key_digest since migration 0026)")
     p.add_argument("--rounds", type=int, default=3,
                    help="alternate the at-least-once and idempotent runs this many times; "
                         "the best of each is reported")

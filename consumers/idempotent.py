@@ -239,6 +239,8 @@ class IdempotentConsumer:
         # type's prepare() returned (or the exception it raised, wrapped in _Failed).
         self._predecoded: dict[tuple[Any, Any, Any], Any] = {}
         self._prepared: dict[tuple[Any, Any, Any], Any] = {}
+        # (dedup_key, event_type) -> its key_digest, computed by the decode-ahead thread.
+        self._digests: dict[tuple[str, str], bytes] = {}
 
     # -- registration -------------------------------------------------------------------
 
@@ -593,7 +595,9 @@ class IdempotentConsumer:
         types = [e.event_type for e in events]
         with _shape_changed(self):
             if self._key_digest:
-                digests = [self._digest(t, k) for t, k in zip(types, keys, strict=True)]
+                pre = self._digests  # from the decode-ahead thread, else computed here
+                digests = [pre.get((k, t)) or self._digest(t, k)
+                           for t, k in zip(types, keys, strict=True)]
                 by_digest = dict(zip(digests, zip(keys, types, strict=True), strict=True))
                 # The new rows' digests come back (16 bytes each, binary), not their texts.
                 new = {by_digest[d] for d, in cur.execute(
@@ -747,14 +751,17 @@ class IdempotentConsumer:
             msgs.append(m)
         return msgs
 
-    def _decode_all(self, msgs: list[Message]
-                    ) -> tuple[dict[tuple[Any, Any, Any], Any], dict[tuple[Any, Any, Any], Any]]:
+    def _decode_all(self, msgs: list[Message]) -> tuple[dict[tuple[Any, Any, Any], Any],
+                                                        dict[tuple[Any, Any, Any], Any],
+                                                        dict[tuple[str, str], bytes]]:
         """Decode a batch (in the decode-ahead thread): position -> event, or the
         :class:`PoisonMessage` its decoding raised (dead-lettered when the batch is applied);
-        and position -> its type's ``prepare(event)`` (:meth:`on_batch`), or ``_Failed``.
-        Reads only the messages' key and value: the Kafka consumer stays in one thread."""
+        position -> its type's ``prepare(event)`` (:meth:`on_batch`), or ``_Failed``; and
+        ``(dedup_key, event_type)`` -> its ``key_digest``. Reads only the messages' key and
+        value: the Kafka consumer stays in one thread."""
         decoded: dict[tuple[Any, Any, Any], Any] = {}
         prepared: dict[tuple[Any, Any, Any], Any] = {}
+        digests: dict[tuple[str, str], bytes] = {}
         prepares = self._prepare
         for m in msgs:
             pos = (m.topic(), m.partition(), m.offset())
@@ -763,13 +770,17 @@ class IdempotentConsumer:
             except PoisonMessage as exc:
                 decoded[pos] = exc
                 continue
+            key = (event.dedup_key, event.event_type)
+            if key not in digests:
+                with contextlib.suppress(UnicodeEncodeError):  # raised again when applied
+                    digests[key] = self._digest(event.event_type, event.dedup_key)
             prepare = prepares.get(event.event_type) if prepares else None
             if prepare is not None:
                 try:
                     prepared[pos] = prepare(event)
                 except Exception as exc:  # noqa: BLE001 - raised again when applied
                     prepared[pos] = _Failed(exc)
-        return decoded, prepared
+        return decoded, prepared, digests
 
     def run(self, *, idle_exit_s: float | None = None) -> ConsumerStats:
         """Consume until :meth:`stop` (or, with ``idle_exit_s``, until idle that long, in
@@ -819,7 +830,8 @@ class IdempotentConsumer:
                 if msgs:
                     last_msg = time.monotonic()
                 if decoder is None:
-                    current: tuple[list[Message], Any] | None = (msgs, ({}, {})) if msgs else None
+                    current: tuple[list[Message], Any] | None = ((msgs, ({}, {}, {})) if msgs
+                                                                 else None)
                 else:
                     current = None if pending is None else (pending[0], pending[1].result())
                     pending = (msgs, decoder.submit(self._decode_all, msgs)) if msgs else None
@@ -828,11 +840,11 @@ class IdempotentConsumer:
                             and time.monotonic() - last_msg > idle_exit_s):
                         break
                     continue
-                self._predecoded, self._prepared = current[1]
+                self._predecoded, self._prepared, self._digests = current[1]
                 try:
                     ok = self._apply(current[0])
                 finally:
-                    self._predecoded, self._prepared = {}, {}
+                    self._predecoded, self._prepared, self._digests = {}, {}, {}
                     self._headers.clear()
                 if not ok:
                     break

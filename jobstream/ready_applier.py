@@ -111,13 +111,10 @@ def copy_rows(ev: JobReady) -> tuple[bytes, bytes]:
     string that is not valid Unicode) or ``ValueError`` (a charge that is not finite); the
     batch is then split and the event applied alone by :func:`apply_ready`."""
     r = ev.payload.result
-    analysis = b"".join((_ANALYSIS_FIELDS, _text(ev.tenant_id), _text(ev.dedup_key),
-                         _UUID_LEN, ev.job_id.bytes, _text(ev.payload.filename),
-                         _text(r.title), _text(r.summary), _text_array(r.keywords),
-                         _jsonb(r.fields)))
-    charge = b"".join((_CHARGE_FIELDS, _text(ev.tenant_id), _text(ev.dedup_key), _UUID_LEN,
-                       ev.job_id.bytes, _numeric(ev.payload.charge_usd)))
-    return analysis, charge
+    head = b"".join((_text(ev.tenant_id), _text(ev.dedup_key), _UUID_LEN, ev.job_id.bytes))
+    analysis = b"".join((_ANALYSIS_FIELDS, head, _text(ev.payload.filename), _text(r.title),
+                         _text(r.summary), _text_array(r.keywords), _jsonb(r.fields)))
+    return analysis, b"".join((_CHARGE_FIELDS, head, _numeric(ev.payload.charge_usd)))
 
 
 def apply_ready_rows(conn: psycopg.Connection, rows: list[tuple[bytes, bytes]]) -> None:

@@ -121,6 +121,10 @@ class Hooks:
     in_transaction: Callable[[], None] | None = None
 
 
+#: A statement run after a pipeline, so Postgres arms the transaction's idle timeout again.
+REARM_IDLE_TIMEOUT = "SELECT 1"
+
+
 def _call(hook: Callable[..., Any] | None, *args: Any, **kw: Any) -> None:
     if hook is None:
         return
@@ -519,6 +523,10 @@ class IdempotentConsumer:
                     with conn.pipeline():
                         for _, ev in todo:
                             self._handlers[ev.event_type](conn, ev)
+                    # Postgres arms idle_in_transaction_session_timeout only after a
+                    # statement outside a pipeline: without one, a consumer frozen before the
+                    # COMMIT kept this batch's rows (and the next owner waiting) for good.
+                    conn.execute(REARM_IDLE_TIMEOUT)
                 _call(self.hooks.in_transaction)
                 for i, ev in todo:
                     outcomes[i] = "applied"

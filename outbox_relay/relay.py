@@ -462,17 +462,15 @@ class OutboxRelay:
             raise DeliveryFailed(f"{len(retriable)} rows not delivered (retriable), "
                                  f"{len(refused)} parked: {errs}")
 
-    def _topic_missing(self, topic: str) -> bool:
-        """True when the broker's metadata says ``topic`` does not exist (never created, or
-        deleted); False when it exists or the broker did not answer (an outage is not a
-        missing topic)."""
+    def _topics_missing(self, topics: set[str]) -> set[str]:
+        """Those of ``topics`` the broker's metadata does not have (never created, or
+        deleted): ONE metadata request for all, waiting at most 2 s; an empty set when the
+        broker did not answer (an outage is not a missing topic)."""
         try:
-            md = self._producer.list_topics(topic, timeout=5)
+            known = self._producer.list_topics(timeout=2).topics
         except KafkaException:
-            return False
-        meta = md.topics.get(topic)
-        return meta is not None and meta.error is not None and meta.error.code() in (
-            KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC)
+            return set()
+        return {t for t in topics if t not in known}
 
     def _missing_past_grace(self, retriable: list[tuple[tuple[Any, ...], KafkaError | None]],
                             refused: list[tuple[tuple[Any, ...], str]]
@@ -480,21 +478,25 @@ class OutboxRelay:
         """Of the rows that failed retriably: move to ``refused`` (to be parked) those whose
         topic the broker has said does not exist for ``relay_missing_topic_park_s`` or
         longer, and return the others. A row whose report says its topic is missing, or that
-        got no report in time, has its topic looked up (once per topic and call); a topic
-        found again is forgotten. Without this a deleted topic's rows were re-sent forever,
-        each round waiting for them (message.timeout.ms, 300 s by default) to time out."""
+        got no report in time, has its topic looked up (one metadata request per call); a
+        topic found again is forgotten. Before, the client's own ``_UNKNOWN_TOPIC`` refusal
+        parked a row at once (a topic created 30 s late failed jobs), while a deleted topic's
+        rows were re-sent round after round, each waiting out message.timeout.ms."""
         now, grace = time.monotonic(), self.settings.relay_missing_topic_park_s
-        looked: set[str] = set()
+        looked = {row[1] for row, err in retriable
+                  if err is None or err.code() in MISSING_TOPIC_ERRORS}
+        if not looked:
+            return retriable
+        missing = self._topics_missing(looked)
+        for topic in looked:
+            if topic in missing:
+                self._missing_topics.setdefault(topic, now)
+            else:
+                self._missing_topics.pop(topic, None)
         keep: list[tuple[tuple[Any, ...], KafkaError | None]] = []
         for row, err in retriable:
             topic = row[1]
-            if err is None or err.code() in MISSING_TOPIC_ERRORS:
-                if topic not in looked:
-                    looked.add(topic)
-                    if self._topic_missing(topic):
-                        self._missing_topics.setdefault(topic, now)
-                    else:
-                        self._missing_topics.pop(topic, None)
+            if topic in looked:
                 since = self._missing_topics.get(topic)
                 if since is not None and now - since >= grace:
                     refused.append((row, f"topic {topic} does not exist (the broker said so "

@@ -69,7 +69,7 @@ class FakeProducer:
     def poll(self, _t: float) -> int:
         return 0
 
-    def list_topics(self, _topic: str, timeout: float) -> Any:
+    def list_topics(self, timeout: float) -> Any:
         """The relay asks whether a failed row's topic exists: no answer (not missing)."""
         raise KafkaException(KafkaError(KafkaError._TRANSPORT))
 

@@ -235,6 +235,11 @@ class Settings(BaseSettings):
         0.005, gt=0, description="Relay, caught up with rows in flight: how long it waits for "
                                  "a NOTIFY before marking the acknowledged rows (seconds)."
     )
+    relay_prefetch: bool = Field(
+        True, description="Relay, draining a backlog: read the next batch on a connection of "
+                          "its own while the current one is produced, instead of waiting for "
+                          "each fetch (one more Postgres connection per active relay)."
+    )
     relay_rescan_s: float = Field(
         1.0, gt=0, description="Relay, draining a backlog: how often it also looks below its "
                                "last id for rows of transactions that committed late (seconds)."

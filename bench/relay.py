@@ -651,9 +651,14 @@ def latency(settings: Settings, args: argparse.Namespace, logdir: Path,
         col.start()
         log(f"latency: {rate:.0f} events/s for {args.seconds}s through one relay, "
             f"{writers} writer processes")
+        sampler = WaitSampler(settings.database_url)
+        sampler.start()
+        relay_cpu0 = cpu_s(relay.pid)
         w = write_outbox(settings.database_url, topic, n, writers=writers,
-                         rows_per_tx=1, rate=rate)
+                         rows_per_tx=args.latency_rows_per_tx, rate=rate)
         wait_drained(settings.database_url, args.timeout)
+        relay_cpu = cpu_s(relay.pid) - relay_cpu0
+        waits = sampler.summary()
         col.wait(60)
     finally:
         stop([relay])
@@ -681,6 +686,9 @@ def latency(settings: Settings, args: argparse.Namespace, logdir: Path,
         "raw_produce_to_kafka": latency_summary(raw_lat),
         "relay_transactions_per_event": relay_transactions_per_event(
             logdir / f"latency{rate:.0f}-relay.log"),
+        "rows_per_commit": args.latency_rows_per_tx,
+        "relay_cpu_us_per_event": round(relay_cpu * 1e6 / n, 1),
+        "postgres_backend_states_pct": waits,
         "_lat": lat, "_raw_lat": raw_lat,
     }
 
@@ -841,6 +849,9 @@ def main() -> None:
     p.add_argument("--latency-writers", type=int, default=2,
                    help="writer processes per 1,000 events/s of the latency runs (one row "
                         "per transaction)")
+    p.add_argument("--latency-rows-per-tx", type=int, default=1,
+                   help="outbox rows per writer transaction in the latency runs (1: the "
+                        "one-event stage transaction; a group commit writes several)")
     p.add_argument("--rates", default="1000,5000",
                    help="offered loads of the latency runs (events/s, comma list)")
     p.add_argument("--seconds", type=float, default=10.0, help="duration of each latency run")

@@ -240,6 +240,13 @@ class Settings(BaseSettings):
                           "its own while the current one is produced, instead of waiting for "
                           "each fetch (one more Postgres connection per active relay)."
     )
+    relay_notify_below_rate: float = Field(
+        200.0, ge=0, description="Relay: while outbox rows arrive faster than this (rows/s "
+                                 "over 0.1 s) it polls every relay_in_flight_wait_s and writers "
+                                 "send no NOTIFY (a NOTIFY serialises the commits of every "
+                                 "transaction sending one, server-wide); below it they notify "
+                                 "and it waits for them. 0: writers always notify."
+    )
     relay_rescan_s: float = Field(
         1.0, gt=0, description="Relay, draining a backlog: how often it also looks below its "
                                "last id for rows of transactions that committed late (seconds)."

@@ -23,7 +23,9 @@ Protocol (design.md, "Outbox relay"):
    in one transaction; the relay goes on. Rows that failed with a retriable error stay
    unpublished and are re-sent after a backoff (0.5 s doubling to ``relay_backoff_cap_s``).
 5. Wake on ``LISTEN outbox_v1`` (a NOTIFY is sent by a trigger at commit); fall back to polling
-   every ``relay_poll_interval_s``. Every ``gc_interval_s`` the active relay runs retention
+   every ``relay_poll_interval_s``. While rows arrive faster than ``relay_notify_below_rate``
+   the relay disarms the trigger's NOTIFY (migration 0025: a NOTIFY serialises commits
+   server-wide) and polls every ``relay_in_flight_wait_s`` instead. Every ``gc_interval_s`` the active relay runs retention
    (:mod:`jobstream.retention`): ``outbox_published`` records, idempotent-consumer rows and
    idempotency records past their horizons, a bounded number of batches per run.
 6. The active relay also runs the stuck-stage sweeper (``streams.actions.sweep``).
@@ -61,6 +63,11 @@ RELAY_LOCK_ID = 0x6F757462  # "outb": the active-relay advisory lock
 HOUSEKEEPING_LOCK_ID = 0x6F757463  # the same for --housekeeping-only (Debezium publishes)
 CHANNEL = "outbox_v1"
 GC_MAX_BATCHES = 20  # per table and run: retention must not hold up publishing for long
+#: The window over which the relay measures how fast rows arrive (relay_notify_below_rate).
+RATE_WINDOW_S = 0.1
+#: After re-arming the writers' NOTIFY the relay still polls this long: a writer that read the
+#: flag just before it was set commits within it (a longer one waits for the next poll).
+ARM_GRACE_S = 0.05
 
 
 class DeliveryFailed(Exception):
@@ -275,6 +282,9 @@ class OutboxRelay:
         self._floors: deque[tuple[float, int]] = deque()  # (monotonic time, floor) per rescan
         self._last_rescan = self._last_full = time.monotonic()
         self._touched = time.monotonic()  # the last statement on the lock session
+        # Writers' NOTIFY armed (migration 0025), since when; rows fetched in the rate window.
+        self._armed, self._armed_at = True, 0.0
+        self._window_rows, self._window_start = 0, time.monotonic()
 
     def stop(self, *_: Any) -> None:
         """Ask the relay loop to finish its current batch and return."""
@@ -653,6 +663,29 @@ class OutboxRelay:
             self._stop.wait(min(left, self.settings.relay_lock_timeout_s / 3))
             self._keep_lock(conn)
 
+    def _set_armed(self, conn: Conn, armed: bool) -> None:
+        """Arm (writers NOTIFY on commit) or disarm (the relay polls) the outbox trigger."""
+        conn.execute(Q["relay_arm_notify"], (1 if armed else 0,))
+        self.stats.transactions += 1
+        self._armed, self._armed_at = armed, time.monotonic()
+        log.debug("writers' NOTIFY %s", "armed" if armed else "disarmed: polling")
+
+    def _polling(self, conn: Conn, rows: int) -> bool:
+        """Count ``rows`` fetched; every RATE_WINDOW_S disarm the writers' NOTIFY when rows
+        came faster than ``relay_notify_below_rate`` (re-arm it when slower). True while the
+        relay must poll rather than wait for a NOTIFY: disarmed, or armed only just now."""
+        rate = self.settings.relay_notify_below_rate
+        if rate <= 0 or self.housekeeping_only:
+            return False
+        now = time.monotonic()
+        self._window_rows += rows
+        if now - self._window_start >= RATE_WINDOW_S:
+            fast = self._window_rows / (now - self._window_start) >= rate
+            self._window_rows, self._window_start = 0, now
+            if fast == self._armed:
+                self._set_armed(conn, not fast)
+        return not self._armed or time.monotonic() - self._armed_at < ARM_GRACE_S
+
     def _relay_loop(self, conn: Conn) -> None:
         """Publish (or only keep house) while the lock is held and no stop was asked."""
         retry_s = 0.5
@@ -692,7 +725,14 @@ class OutboxRelay:
             if time.monotonic() - last_gc > self.settings.gc_interval_s:
                 self._gc()
                 last_gc = time.monotonic()
-            if n < batch:
+            polling = self._polling(conn, n)
+            if n < batch and polling:
+                # Rows arrive fast: writers send no NOTIFY (migration 0025); look again soon.
+                for _ in conn.notifies(timeout=self.settings.relay_in_flight_wait_s,
+                                       stop_after=1):
+                    pass
+                fetch = True
+            elif n < batch:
                 # Caught up: sleep until a NOTIFY (a commit) or the polling interval; with
                 # rows in flight only briefly, to serve their reports. Acknowledged rows
                 # wait at most relay_delete_hold_s for the next commit's NOTIFY: its fetch
@@ -771,6 +811,11 @@ class OutboxRelay:
                     if not self._acquire_lock(conn):
                         break
                     conn.execute(f"LISTEN {CHANNEL}")  # constant channel name, not input
+                    if not self.housekeeping_only:
+                        # Writers notify until rows come fast (a relay that died disarmed
+                        # left them silent); the look that follows misses nothing.
+                        self._set_armed(conn, True)
+                        self._armed_at = 0.0
                     # The jsonb headers of every fetched row, decoded by orjson (C) rather
                     # than json.loads: the largest item of the relay's profile (bench/README.md).
                     set_json_loads(orjson.loads, conn)

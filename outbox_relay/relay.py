@@ -23,11 +23,12 @@ Protocol (design.md, "Outbox relay"):
    in one transaction; the relay goes on. Rows that failed with a retriable error stay
    unpublished and are re-sent after a backoff (0.5 s doubling to ``relay_backoff_cap_s``).
 5. Wake on ``LISTEN outbox_v1`` (a NOTIFY is sent by a trigger at commit); fall back to polling
-   every ``relay_poll_interval_s``. While rows arrive faster than ``relay_notify_below_rate``
-   the relay disarms the trigger's NOTIFY (migration 0025: a NOTIFY serialises commits
-   server-wide) and polls every ``relay_in_flight_wait_s`` instead. Every ``gc_interval_s`` the active relay runs retention
-   (:mod:`jobstream.retention`): ``outbox_published`` records, idempotent-consumer rows and
-   idempotency records past their horizons, a bounded number of batches per run.
+   every ``relay_poll_interval_s``. With ``relay_notify_below_rate`` set (opt-in), while rows
+   arrive faster than that the relay disarms the trigger's NOTIFY (migration 0025: a NOTIFY
+   serialises commits server-wide) and polls every ``relay_in_flight_wait_s`` instead.
+   Every ``gc_interval_s`` the active relay runs retention (:mod:`jobstream.retention`):
+   ``outbox_published`` records, idempotent-consumer rows and idempotency records past their
+   horizons, a bounded number of batches per run.
 6. The active relay also runs the stuck-stage sweeper (``streams.actions.sweep``).
 """
 

@@ -236,9 +236,11 @@ class Settings(BaseSettings):
                                  "a NOTIFY before marking the acknowledged rows (seconds)."
     )
     relay_prefetch: bool = Field(
-        True, description="Relay, draining a backlog: read the next batch on a connection of "
-                          "its own while the current one is produced, instead of waiting for "
-                          "each fetch (one more Postgres connection per active relay)."
+        False, description="Relay, draining a backlog: read the next batch on a connection of "
+                           "its own while the current one is produced, instead of waiting for "
+                           "each fetch (one more Postgres connection per active relay). Off by "
+                           "default: it did not raise the drain rate here and cost ~1.5 us of "
+                           "relay CPU per row (bench/README.md)."
     )
     relay_notify_below_rate: float = Field(
         0.0, ge=0, description="Relay: while outbox rows arrive faster than this (rows/s over "

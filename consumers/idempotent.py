@@ -70,12 +70,13 @@ from psycopg.rows import DictRow, dict_row, tuple_row
 from consumers.ddl import create_tables, has_key_digest
 from consumers.headers import HEADERS_UNREADABLE, read_headers
 from consumers.routing import (
-    DB_OUTAGE,
     HANDLER_ERROR,
+    REFUSED_DATA,
     DeadLetterSink,
     FailureCounter,
     classify,
     describe,
+    is_outage,
 )
 from consumers.settings import ConsumerSettings
 from schemas.errors import PoisonMessage, RetryableError
@@ -122,6 +123,8 @@ class Hooks:
     in_transaction: Callable[[], None] | None = None
 
 
+#: A statement run after a pipeline, so Postgres arms the transaction's idle timeout again.
+REARM_IDLE_TIMEOUT = "SELECT 1"
 _MISSING = object()
 
 
@@ -505,7 +508,7 @@ class IdempotentConsumer:
                     return "duplicate"
                 self._handlers[event.event_type](conn, event)
                 _call(self.hooks.in_transaction)
-        except (PoisonMessage, psycopg.DataError, UnicodeEncodeError) as exc:
+        except (PoisonMessage, *REFUSED_DATA) as exc:
             self._dead_letter(msg, classify(exc)[1], describe(exc))
             return "dead_lettered"
         self.stats.applied += 1
@@ -548,6 +551,10 @@ class IdempotentConsumer:
                     with conn.pipeline():
                         for _, ev in todo:
                             self._handlers[ev.event_type](conn, ev)
+                    # Postgres arms idle_in_transaction_session_timeout only after a
+                    # statement outside a pipeline: without one, a consumer frozen before the
+                    # COMMIT kept this batch's rows (and the next owner waiting) for good.
+                    conn.execute(REARM_IDLE_TIMEOUT)
                 _call(self.hooks.in_transaction)
                 for i, ev in todo:
                     outcomes[i] = "applied"
@@ -638,7 +645,7 @@ class IdempotentConsumer:
                 return True
             except Exception as exc:  # rolled back: decide, never skip silently
                 kind, code = classify(exc)
-                outage = isinstance(exc, DB_OUTAGE)
+                outage = is_outage(exc)
                 if outage:
                     _call(self.hooks.db_failed, exc)  # one line per outage, not per retry
                     if self._conn is not None:
@@ -708,7 +715,17 @@ class IdempotentConsumer:
         while not self._stop.is_set():
             try:
                 self.process_batch(msgs)
-            except DB_OUTAGE as exc:
+            except Exception as exc:
+                if not is_outage(exc):
+                    # the handler (or Postgres) refused one: find it, halving the batch
+                    half = len(msgs) // 2
+                    log.info("batch of %d rolled back (%s: %s); applying it as %s", len(msgs),
+                             type(exc).__name__, exc,
+                             f"two batches of {half} and {len(msgs) - half}" if len(msgs) > 8
+                             else "one message per transaction")
+                    if len(msgs) <= 8:
+                        return self._one_by_one(msgs)
+                    return self._apply(msgs[:half]) and self._apply(msgs[half:])
                 _call(self.hooks.db_failed, exc)
                 log.debug("batch failed (%s); retrying", exc)
                 if self._conn is not None:
@@ -716,15 +733,6 @@ class IdempotentConsumer:
                     self._conn = None
                 self._stop.wait(0.5)
                 continue
-            except Exception as exc:  # the handler refused one: find it, halving the batch
-                half = len(msgs) // 2
-                log.info("batch of %d rolled back (%s: %s); applying it as %s", len(msgs),
-                         type(exc).__name__, exc,
-                         f"two batches of {half} and {len(msgs) - half}" if len(msgs) > 8
-                         else "one message per transaction")
-                if len(msgs) <= 8:
-                    return self._one_by_one(msgs)
-                return self._apply(msgs[:half]) and self._apply(msgs[half:])
             _call(self.hooks.after_apply)
             last: dict[tuple[str, int], Message] = {}
             for m in msgs:

@@ -99,6 +99,9 @@ def test_local_answers_share_one_transaction_and_a_remote_call_stays_outside_it(
     assert all(a["outcome"] == "succeeded" for a in attempts)
     assert query(url, "SELECT count(*) AS n FROM outbox WHERE event_type = 'job.llm_done'"
                  ) == [{"n": 3}]
+    # Each completion advanced its job in the same statement as its checkpoint.
+    assert query(url, "SELECT status, current_stage, count(*) AS n FROM job "
+                 "GROUP BY 1, 2") == [{"status": "running", "current_stage": "llm", "n": 3}]
     # A redelivery of each is a duplicate, in the batch as alone.
     again = asyncio.run(all_three())
     assert again == ["skipped:duplicate"] * 3

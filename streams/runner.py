@@ -126,7 +126,6 @@ class _Plan:
         """Run the stage's work on ``claim``; its completion arguments."""
         return self.completion(claim, self.module.work(self.ctx, claim, self.ev))
 
-
     def one_transaction_work(self, claim: Claim) -> dict[str, Any]:
         """:meth:`work_and_completion` inside a one-transaction attempt. Raises
         :class:`TwoTransactions` when the stage module's ``claim_in_one_transaction(ctx,

@@ -232,6 +232,13 @@ class Settings(BaseSettings):
         30.0, gt=0, description="Relay: longest wait before re-sending rows whose delivery "
                                 "failed with a retriable error (seconds; doubles from 0.5)."
     )
+    relay_missing_topic_park_s: float = Field(
+        300.0, ge=0, description="Relay: rows for a topic the broker says does not exist (never "
+                                 "created, or deleted) are retried this long after the relay "
+                                 "first saw it missing, then parked in the dead_letter table "
+                                 "(undeliverable; their jobs fail) so they stop holding up the "
+                                 "outbox (seconds; 0 parks at the first failure)."
+    )
     relay_batch_size: int = Field(500, ge=1, description="Outbox rows per relay batch.")
     relay_max_in_flight: int = Field(
         5000, ge=1, description="Relay: most rows produced and not yet acknowledged; the next "

@@ -77,6 +77,15 @@ PERMANENT_ERRORS = frozenset({
 })
 
 
+#: Delivery errors a missing topic gives: never created (``UNKNOWN_TOPIC_OR_PART`` once
+#: ``topic.metadata.propagation.max.ms`` passed) or deleted after the producer had its metadata
+#: (``_MSG_TIMED_OUT`` after ``message.timeout.ms``). Retriable, unless the broker's metadata
+#: says the topic is gone for ``relay_missing_topic_park_s``: then the row is parked.
+MISSING_TOPIC_ERRORS = frozenset({
+    KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC, KafkaError._MSG_TIMED_OUT,
+})
+
+
 def _permanent(err: KafkaError | None) -> bool:
     return err is not None and err.code() in PERMANENT_ERRORS
 
@@ -205,6 +214,9 @@ class OutboxRelay:
         self._floors: deque[tuple[float, int]] = deque()  # (monotonic time, floor) per rescan
         self._last_rescan = self._last_full = time.monotonic()
         self._touched = time.monotonic()  # the last statement on the lock session
+        #: Topics the broker's metadata said do not exist -> when that was first seen
+        #: (monotonic s); see _missing_past_grace.
+        self._missing_topics: dict[str, float] = {}
 
     def stop(self, *_: Any) -> None:
         """Ask the relay loop to finish its current batch and return."""
@@ -328,8 +340,16 @@ class OutboxRelay:
         ``_refused`` with the reason."""
         produce, poll, pending = self._producer.produce, self._producer.poll, self._pending
         on_delivery = self._on_delivery
+        missing, now = self._missing_topics, time.monotonic()
+        grace = self.settings.relay_missing_topic_park_s
         for row in rows:
             _id, topic, key, payload, headers, _type = row
+            if missing and now - missing.get(topic, now + 1) >= grace:
+                # Its topic is gone past the grace: not queued in the client (where it would
+                # wait message.timeout.ms and hold every flush up); settle() re-checks the
+                # topic and parks it, or sends it again if the topic is back.
+                self._failed.append((row, KafkaError(KafkaError._UNKNOWN_TOPIC)))
+                continue
             while True:
                 try:  # a dict of str headers is UTF-8 encoded by the client, in C
                     produce(topic, value=payload, key=key, headers=headers,
@@ -347,7 +367,13 @@ class OutboxRelay:
                         (row, f"cannot serialise the row: {type(exc).__name__}: {exc}"))
                     break
                 except (KafkaException, ValueError) as exc:  # e.g. MSG_SIZE_TOO_LARGE
-                    self._refused.append((row, _describe_exc(exc)))
+                    err = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
+                    if isinstance(err, KafkaError) and err.code() in MISSING_TOPIC_ERRORS:
+                        # The client knows the topic is missing: retriable until the grace
+                        # (settle(): _missing_past_grace), as a delivery report saying so.
+                        self._failed.append((row, err))
+                    else:
+                        self._refused.append((row, _describe_exc(exc)))
                     break
 
     def _on_delivery(self, row: tuple[Any, ...], err: KafkaError | None, _msg: Any) -> None:
@@ -413,6 +439,7 @@ class OutboxRelay:
         retriable += [(row, err) for row, err in self._failed if not _permanent(err)]
         lone = [row for row, err in self._failed if _permanent(err)]
         refused, self._refused, self._failed = self._refused, [], []
+        retriable = self._missing_past_grace(retriable, refused)
         for row in lone:  # isolate: one row alone in its produce request
             alone, refusal = self._send([row])
             if 0 in refusal:
@@ -434,6 +461,49 @@ class OutboxRelay:
             errs = [err for _, err in retriable[:3]]
             raise DeliveryFailed(f"{len(retriable)} rows not delivered (retriable), "
                                  f"{len(refused)} parked: {errs}")
+
+    def _topics_missing(self, topics: set[str]) -> set[str]:
+        """Those of ``topics`` the broker's metadata does not have (never created, or
+        deleted): ONE metadata request for all, waiting at most 2 s; an empty set when the
+        broker did not answer (an outage is not a missing topic)."""
+        try:
+            known = self._producer.list_topics(timeout=2).topics
+        except KafkaException:
+            return set()
+        return {t for t in topics if t not in known}
+
+    def _missing_past_grace(self, retriable: list[tuple[tuple[Any, ...], KafkaError | None]],
+                            refused: list[tuple[tuple[Any, ...], str]]
+                            ) -> list[tuple[tuple[Any, ...], KafkaError | None]]:
+        """Of the rows that failed retriably: move to ``refused`` (to be parked) those whose
+        topic the broker has said does not exist for ``relay_missing_topic_park_s`` or
+        longer, and return the others. A row whose report says its topic is missing, or that
+        got no report in time, has its topic looked up (one metadata request per call); a
+        topic found again is forgotten. Before, the client's own ``_UNKNOWN_TOPIC`` refusal
+        parked a row at once (a topic created 30 s late failed jobs), while a deleted topic's
+        rows were re-sent round after round, each waiting out message.timeout.ms."""
+        now, grace = time.monotonic(), self.settings.relay_missing_topic_park_s
+        looked = {row[1] for row, err in retriable
+                  if err is None or err.code() in MISSING_TOPIC_ERRORS}
+        if not looked:
+            return retriable
+        missing = self._topics_missing(looked)
+        for topic in looked:
+            if topic in missing:
+                self._missing_topics.setdefault(topic, now)
+            else:
+                self._missing_topics.pop(topic, None)
+        keep: list[tuple[tuple[Any, ...], KafkaError | None]] = []
+        for row, err in retriable:
+            topic = row[1]
+            if topic in looked:
+                since = self._missing_topics.get(topic)
+                if since is not None and now - since >= grace:
+                    refused.append((row, f"topic {topic} does not exist (the broker said so "
+                                         f"for {now - since:.0f} s): {_describe_err(err)}"))
+                    continue
+            keep.append((row, err))
+        return keep
 
     def _send(self, rows: list[tuple[Any, ...]]
               ) -> tuple[dict[int, KafkaError | None], dict[int, str]]:

@@ -220,8 +220,8 @@ UPDATE job SET sweeps = sweeps + 1, swept_at = now() WHERE job_id = %s;
 -- The claim's first read: the job row locked, and whether the idempotent consumer already
 -- processed this event (``processed``), in one round trip.
 SELECT j.*, EXISTS (SELECT 1 FROM processed_event p
-                     WHERE p.consumer_group = %(group)s AND p.dedup_key = %(dedup_key)s
-                       AND p.event_type = %(event_type)s) AS processed
+                     WHERE p.key_digest = processed_event_key(%(group)s, %(event_type)s,
+                                                              %(dedup_key)s)) AS processed
   FROM job j WHERE j.job_id = %(job_id)s FOR UPDATE OF j;
 
 -- name: job_provider_budget
@@ -381,8 +381,10 @@ SELECT stage, status, code_version, emitted, lease_until FROM job_stage WHERE jo
 
 -- name: forget_processed
 -- A redrive makes the stage workers process the job's events again.
+-- Parameters: dedup key, groups, event types (every pair of a group and a type).
 DELETE FROM processed_event
- WHERE dedup_key = %s AND consumer_group = ANY(%s) AND event_type = ANY(%s);
+ WHERE key_digest IN (SELECT processed_event_key(g, t, %s)
+                        FROM unnest(%s::text[]) AS g, unnest(%s::text[]) AS t);
 
 -- name: reopen_stages
 -- A redrive fences the runs it replaces: a running stage is reset too, so the old run token
@@ -504,23 +506,31 @@ SELECT coalesce(sum(cost_usd), 0)::float8 AS cost_usd FROM provider_attempt WHER
 
 -- name: record_processed
 -- The idempotent-consumer row, in the same transaction as the effect. No row back = duplicate.
-INSERT INTO processed_event (consumer_group, dedup_key, event_type, event_id, job_id)
-VALUES (%s, %s, %s, %s, %s)
-ON CONFLICT (consumer_group, dedup_key, event_type) DO NOTHING
+-- Parameters: group, dedup key, event type, event id, job id; keyed by their 16-byte
+-- processed_event_key (migration 0026).
+INSERT INTO processed_event (key_digest, consumer_group, dedup_key, event_type, event_id, job_id)
+SELECT processed_event_key(v.g, v.t, v.k), v.g, v.k, v.t, v.e, v.j
+  FROM (VALUES (%s::text, %s::text, %s::text, %s::uuid, %s::uuid)) AS v(g, k, t, e, j)
+ON CONFLICT (key_digest) DO NOTHING
 RETURNING 1 AS inserted;
 
 -- name: record_processed_batch
 -- The idempotent-consumer rows of a batch (distinct keys), in the transaction of the batch's
 -- effects. Returns the keys that were new; the others are duplicates.
-INSERT INTO processed_event (consumer_group, dedup_key, event_type, event_id, job_id)
-SELECT %s, u.dedup_key, u.event_type, u.event_id, u.job_id
-  FROM unnest(%s::text[], %s::text[], %s::uuid[], %s::uuid[])
+INSERT INTO processed_event (key_digest, consumer_group, dedup_key, event_type, event_id, job_id)
+SELECT processed_event_key(g.g, u.event_type, u.dedup_key), g.g, u.dedup_key, u.event_type,
+       u.event_id, u.job_id
+  FROM (VALUES (%s::text)) AS g(g),
+       unnest(%s::text[], %s::text[], %s::uuid[], %s::uuid[])
        AS u(dedup_key, event_type, event_id, job_id)
-ON CONFLICT (consumer_group, dedup_key, event_type) DO NOTHING
+ON CONFLICT (key_digest) DO NOTHING
 RETURNING dedup_key, event_type;
 
 -- name: is_processed
-SELECT 1 FROM processed_event WHERE consumer_group = %s AND dedup_key = %s AND event_type = %s;
+-- Parameters: group, dedup key, event type.
+SELECT 1 FROM processed_event
+ WHERE key_digest = (SELECT processed_event_key(v.g, v.t, v.k)
+                       FROM (VALUES (%s::text, %s::text, %s::text)) AS v(g, k, t));
 
 -- ---------------------------------------------------------------- outbox
 
@@ -916,8 +926,8 @@ DELETE FROM outbox_published WHERE ctid IN (
 -- name: gc_processed_event
 -- Idempotent-consumer rows older than every redelivery window (checked against the topics'
 -- retention by the caller).
-DELETE FROM processed_event WHERE (consumer_group, dedup_key, event_type) IN (
-    SELECT consumer_group, dedup_key, event_type FROM processed_event
+DELETE FROM processed_event WHERE key_digest IN (
+    SELECT key_digest FROM processed_event
      WHERE processed_at < now() - make_interval(secs => %(horizon_s)s)
      ORDER BY processed_at LIMIT %(limit)s);
 

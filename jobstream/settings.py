@@ -139,6 +139,12 @@ class Settings(BaseSettings):
         "(seconds). Kafka redelivery recovers a crashed run within a session timeout plus a "
         "lease; the sweeper is the backstop for runs nothing will redeliver."
     )
+    llm_local_one_transaction: bool = Field(
+        True, description="The llm stage of a job on the in-process model (local profile) "
+        "claims, answers and completes in ONE transaction, shared with other events like the "
+        "short stages (stage_batch_max); a remote provider's job keeps two transactions, its "
+        "lease and the shared limit whatever this says (bench/README.md).",
+    )
     llm_concurrency: int = Field(
         4, ge=1, description="Chunk-stage events one worker's LLM agent runs at once."
     )

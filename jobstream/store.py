@@ -902,22 +902,22 @@ class Store:
         fence = {"job_id": job_id, "stage": claim.stage, "run_token": claim.run_token,
                  "generation": claim.generation}
         for a in local_answers:
-            row = conn.execute(Q["insert_succeeded_attempt"], {
-                **fence, "chunk_idx": a.idx, "attempt": a.attempt,
-                "model_profile": claim.job.model_profile, "model": a.model,
-                "latency_ms": a.latency_ms, "prompt_tokens": a.prompt_tokens,
-                "completion_tokens": a.completion_tokens, "cost_usd": a.cost_usd}).fetchone()
-            if row is None or conn.execute(Q["save_chunk_output"], {
-                    **fence, "output": Jsonb(a.output), "attempt_id": row["attempt_id"],
-                    "idx": a.idx}).rowcount != 1:
+            # The attempt and the chunk's output in one statement, fenced like the checkpoint.
+            if conn.execute(Q["record_local_answer"], {
+                    **fence, "chunk_idx": a.idx, "attempt": a.attempt,
+                    "model_profile": claim.job.model_profile, "model": a.model,
+                    "latency_ms": a.latency_ms, "prompt_tokens": a.prompt_tokens,
+                    "completion_tokens": a.completion_tokens, "cost_usd": a.cost_usd,
+                    "output": Jsonb(a.output)}).fetchone() is None:
                 raise StaleRun(f"stage {claim.stage} of job {job_id}: run {claim.run_token} "
                                "was fenced off (or the chunk answered meanwhile); result "
                                "discarded")
-        cur = conn.execute(Q["complete_stage"], {
+        # The fenced checkpoint and the job's advance in one statement.
+        row = conn.execute(Q["complete_stage_advance_job"], {
             "output": Jsonb(output), "input_hash": input_hash, "code_version": code_version,
             "cost_usd": cost_usd, "job_id": job_id, "stage": claim.stage,
-            "run_token": claim.run_token, "emitted": Jsonb(emitted)})
-        if cur.rowcount != 1:
+            "run_token": claim.run_token, "emitted": Jsonb(emitted)}).fetchone()
+        if row is None or row["completed"] != 1:
             raise StaleRun(f"stage {claim.stage} of job {job_id}: run {claim.run_token} "
                            "was fenced off; result discarded")
         if later_stages and claim.attempt > 1:  # a first run has no later checkpoints yet
@@ -927,7 +927,6 @@ class Store:
                 conn.execute(Q["delete_chunks"], (job_id,))
             with conn.cursor() as c:
                 c.executemany(Q["insert_chunk"], [(job_id, *ch) for ch in chunks])
-        conn.execute(Q["advance_job"], (claim.stage, cost_usd, job_id))
         if charge_usd is not None:
             conn.execute(Q["succeed_job"], (charge_usd, job_id))
         self.add_outbox(conn, next_msg)

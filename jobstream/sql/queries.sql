@@ -239,30 +239,46 @@ SELECT coalesce(jsonb_object_agg(a.chunk_idx, a.n) FILTER (WHERE a.chunk_idx IS 
                sum(cost_usd) AS cost
           FROM provider_attempt WHERE job_id = %(job_id)s GROUP BY chunk_idx) a;
 
--- name: insert_succeeded_attempt
--- A chunk answered in-process (no remote provider), recorded with the stage's completion:
--- fenced by run token and generation like the checkpoint (no row back: fenced off).
-INSERT INTO provider_attempt (job_id, stage, chunk_idx, attempt, run_token, model_profile, model,
-                              outcome, latency_ms, prompt_tokens, completion_tokens, cost_usd,
-                              finished_at)
-SELECT j.job_id, %(stage)s, %(chunk_idx)s, %(attempt)s, %(run_token)s, %(model_profile)s,
-       %(model)s, 'succeeded', %(latency_ms)s, %(prompt_tokens)s, %(completion_tokens)s,
-       %(cost_usd)s, now()
-  FROM job j
- WHERE j.job_id = %(job_id)s AND j.generation = %(generation)s
-   AND EXISTS (SELECT 1 FROM job_stage s WHERE s.job_id = j.job_id AND s.stage = %(stage)s
-                AND s.run_token = %(run_token)s AND s.status = 'running')
-RETURNING attempt_id;
+-- name: record_local_answer
+-- insert_succeeded_attempt and save_chunk_output in one round trip (issue 12): the in-process
+-- model's answer of one chunk, recorded with the stage's completion, fenced by run token and
+-- generation (the attempt's INSERT) and kept only if the chunk has no output yet. No row back:
+-- fenced off, or the chunk was answered meanwhile (the caller raises StaleRun).
+WITH a AS (
+    INSERT INTO provider_attempt (job_id, stage, chunk_idx, attempt, run_token, model_profile,
+                                  model, outcome, latency_ms, prompt_tokens,
+                                  completion_tokens, cost_usd, finished_at)
+    SELECT j.job_id, %(stage)s, %(chunk_idx)s, %(attempt)s, %(run_token)s, %(model_profile)s,
+           %(model)s, 'succeeded', %(latency_ms)s, %(prompt_tokens)s, %(completion_tokens)s,
+           %(cost_usd)s, now()
+      FROM job j
+     WHERE j.job_id = %(job_id)s AND j.generation = %(generation)s
+       AND EXISTS (SELECT 1 FROM job_stage s WHERE s.job_id = j.job_id AND s.stage = %(stage)s
+                    AND s.run_token = %(run_token)s AND s.status = 'running')
+    RETURNING attempt_id, job_id)
+UPDATE chunk c SET llm_output = %(output)s, llm_attempt_id = a.attempt_id
+  FROM a
+ WHERE c.job_id = a.job_id AND c.idx = %(chunk_idx)s AND c.llm_output IS NULL
+RETURNING a.attempt_id;
 
--- name: complete_stage
--- Fenced completion: zero rows means a newer run owns the stage; its caller rolls back.
-UPDATE job_stage
-   SET status = 'succeeded', output = %(output)s, input_hash = %(input_hash)s,
-       code_version = %(code_version)s, cost_usd = %(cost_usd)s, emitted = %(emitted)s,
-       lease_until = NULL,
-       finished_at = now(), updated_at = now()
- WHERE job_id = %(job_id)s AND stage = %(stage)s AND run_token = %(run_token)s
-   AND status = 'running';
+-- name: complete_stage_advance_job
+-- complete_stage and advance_job in one round trip (issue 12: fewer statements per stage):
+-- the job advances only when the fenced completion updated the checkpoint; ``completed`` = 0
+-- means a newer run owns the stage (its caller raises StaleRun and rolls back).
+WITH done AS (
+    UPDATE job_stage
+       SET status = 'succeeded', output = %(output)s, input_hash = %(input_hash)s,
+           code_version = %(code_version)s, cost_usd = %(cost_usd)s, emitted = %(emitted)s,
+           lease_until = NULL, finished_at = now(), updated_at = now()
+     WHERE job_id = %(job_id)s AND stage = %(stage)s AND run_token = %(run_token)s
+       AND status = 'running'
+    RETURNING job_id),
+advanced AS (
+    UPDATE job SET status = 'running', current_stage = %(stage)s,
+                   cost_usd = cost_usd + %(cost_usd)s, updated_at = now()
+     WHERE job_id IN (SELECT job_id FROM done)
+       AND status NOT IN ('succeeded', 'failed', 'cancelled'))
+SELECT count(*)::int AS completed FROM done;
 
 -- name: fail_stage
 UPDATE job_stage
@@ -397,11 +413,6 @@ SELECT s.job_id, s.stage, s.run_token, s.attempt, s.lease_until FROM job_stage s
    AND s.lease_until < now() - make_interval(secs => %s * power(2, least(j.sweeps, 6)))
    AND j.status IN ('queued', 'running')
  ORDER BY s.lease_until LIMIT 100;
-
--- name: advance_job
-UPDATE job SET status = 'running', current_stage = %s, cost_usd = cost_usd + %s,
-               updated_at = now()
- WHERE job_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled');
 
 -- name: succeed_job
 UPDATE job SET status = 'succeeded', current_stage = 'publish', charge_usd = %s,

@@ -47,7 +47,9 @@ class Settings(BaseSettings):
         default_factory=dict, description="librdkafka options passed through verbatim."
     )
     topic_prefix: str = Field(
-        "", description="Prefix for every topic and consumer group (isolates tests/tenants)."
+        "", description="Prefix for every topic and consumer group. It separates topics, not "
+        "databases: one database is one deployment (its relay lock, outbox and sweeper serve "
+        "every prefix), so give each prefix its own database.",
     )
     topic_partitions: int = Field(3, ge=1, description="Partitions per pipeline topic.")
     retry_topic_partitions: int = Field(

@@ -160,7 +160,8 @@ def demo(tenant: str | None, timeout_s: float, no_services: bool) -> None:
 @main.command()
 @click.argument("action", type=click.Choice(["up", "down", "status", "env"]))
 def services(action: str) -> None:
-    """Install/start (up), stop (down) or check (status) local Kafka (KRaft) + PostgreSQL.
+    """Install/start (up), stop (down) or check (status) local Kafka (KRaft) + PostgreSQL;
+    env prints their addresses as shell exports.
 
     Everything lives under ./.local; services that already answer are reused.
     """
@@ -180,9 +181,11 @@ def migrate_cmd() -> None:
 @main.command()
 def topics() -> None:
     """Create the pipeline topics and their .retry/.dlq twins (partitions from settings)."""
-    from jobstream.kafka import ensure_topics
+    from jobstream.kafka import all_topics, ensure_topics
     created = ensure_topics(get_settings())
-    click.echo(f"created {len(created)} topics" + (": " + ", ".join(created) if created else ""))
+    existed = len(all_topics(get_settings())) - len(created)
+    click.echo(f"created {len(created)} topics" + (": " + ", ".join(created) if created else "")
+               + (f"; {existed} already existed" if existed else ""))
 
 
 @main.command()
@@ -901,7 +904,7 @@ def dlq_replay(topic: str, reason_codes: tuple[str, ...], groups: tuple[str, ...
 def chaos(points: str | None, jobs: int, keep: bool, mode: str) -> None:
     """Crash matrix: per fault point, SIGKILL the owning process there, restart it, and check
     the exactly-once invariants (Postgres, topics, the fake provider's call counts). With
-    ``--mode pause`` the pause matrix: the process freezes there past its lease, resumes, and
+    --mode pause the pause matrix: the process freezes there past its lease, resumes, and
     its stale work must be discarded.
 
     Each point runs in a scratch database and topic prefix on the configured servers, with a

@@ -7,6 +7,7 @@ workers consume also has a ``<topic>.retry`` twin (transient failures, with a no
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import re
@@ -184,11 +185,21 @@ def ensure_topics(settings: Settings, timeout_s: float = 30.0) -> list[str]:
 
 
 def delete_topics(settings: Settings, timeout_s: float = 30.0) -> list[str]:
-    """Delete every topic of ``settings.topic_prefix`` (a non-empty prefix is required: this
-    is for tests and throwaway runs). Returns the names deleted; errors are ignored."""
+    """Delete every topic and every empty consumer group of ``settings.topic_prefix`` (a
+    non-empty prefix is required: this is for tests and throwaway runs such as benchmarks and
+    chaos points). Returns the topic names deleted; errors are ignored (a group that still has
+    members stays)."""
     if not settings.topic_prefix:
         raise ValueError("refusing to delete topics without a topic prefix")
     admin = AdminClient(base_config(settings))
+    with contextlib.suppress(KafkaException, TimeoutError, concurrent.futures.TimeoutError):
+        groups = [g.group_id for g in admin.list_consumer_groups(
+            request_timeout=timeout_s).result(timeout=timeout_s).valid
+            if g.group_id.startswith(settings.topic_prefix)]
+        for gfut in (admin.delete_consumer_groups(groups, request_timeout=timeout_s).values()
+                     if groups else ()):
+            with contextlib.suppress(KafkaException):
+                gfut.result(timeout=timeout_s)
     try:
         names = [t for t in admin.list_topics(timeout=timeout_s).topics
                  if t.startswith(settings.topic_prefix)]

@@ -112,6 +112,15 @@ def _wants_help() -> bool:
     return any(a in ("-h", "--help") for a in sys.argv[1:])
 
 
+def _console() -> Console:
+    """Where tables go: the terminal's width on a terminal; 200 columns when stdout is a pipe
+    or a file (CI logs, ``| less``), where rich would otherwise assume 80 and cut job ids and
+    reason codes to an ellipsis. ``COLUMNS`` overrides both."""
+    if sys.stdout.isatty() or os.environ.get("COLUMNS"):
+        return Console()
+    return Console(width=200)
+
+
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="jobstream", message="%(prog)s %(version)s")
 @click.option("--log-level", default="info", show_default=True,
@@ -389,7 +398,7 @@ def jobs(tenant: str, as_json: bool) -> None:
         t.add_row(str(r["job_id"]), r["filename"], r["status"], r["current_stage"],
                   f"{r['stages_done']}/{len(PIPELINE.stages)}", str(r["provider_calls"]),
                   f"{r['cost_usd']:.6f}", r["error_code"] or "")
-    Console().print(t)
+    _console().print(t)
 
 
 _api_url = click.option("--api", "api_url", envvar="JOBSTREAM_API_URL",
@@ -448,7 +457,7 @@ def _print_jobs(views: list[dict]) -> None:
         t.add_row(v["job_id"], v["filename"], v["status"], v["current_stage"],
                   f"{v['stages_done']}/{len(PIPELINE.stages)}", str(len(v["provider_attempts"])),
                   f"{v['cost_so_far_usd']:.6f}", v["error_code"] or "")
-    Console().print(t)
+    _console().print(t)
 
 
 def _summary(views: list[dict]) -> int:
@@ -473,7 +482,7 @@ def _summary(views: list[dict]) -> int:
     if by.get("needs_reconciliation"):
         t.add_row("needs reconciliation (jobstream reconcile)",
                   str(len(by["needs_reconciliation"])), codes(by["needs_reconciliation"]))
-    Console().print(t)
+    _console().print(t)
     return 1 if by.get("failed") or by.get("needs_reconciliation") else 0
 
 
@@ -671,7 +680,7 @@ def reconcile(job_id, resolution: str | None) -> None:
         for r in rows:
             t.add_row(str(r["job_id"]), r["tenant_id"], r["filename"], r["lane"],
                       r["current_stage"], str(r["unknown_attempts"]), str(r["updated_at"]))
-        Console().print(t)
+        _console().print(t)
         return
     if resolution is None:
         raise click.UsageError("give --retry or --fail")
@@ -826,7 +835,7 @@ def dlq_list(topic: str | None, limit: int, as_json: bool) -> None:
                   f"@{r['original_offset']}"
                   + (f" by {r['consumer_group']}" if r.get("consumer_group") else ""),
                   r["key"] or "", (r["value_head"] or "")[:48])
-    Console().print(t)
+    _console().print(t)
 
 
 @dlq.command("replay")

@@ -19,6 +19,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import psycopg
 import pytest
@@ -29,6 +30,34 @@ from jobstream.kafka import delete_topics, ensure_topics
 from jobstream.services import SCRIPT, kafka_answers, postgres_answers
 from jobstream.settings import DEFAULT_DATABASE_URL, DEFAULT_KAFKA, Settings
 from tests.helpers import ProcessRunner
+
+#: Modules whose tests share an expensive module-scoped fixture (a private Kafka + Postgres, a
+#: Kafka Connect worker): under pytest-xdist one worker runs each of them whole, so the fixture
+#: starts once. Every other test is scheduled on its own (each has its own database and topic
+#: prefix). A module added here must not depend on which other tests run beside it.
+ONE_WORKER_MODULES = frozenset({
+    "tests/e2e/test_debezium_relay.py",
+    "tests/e2e/test_service_restarts.py",
+    "tests/e2e/test_starvation_and_outage.py",
+})
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: unknown without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``-n N`` (``--dist load``, what ``scripts/test.sh`` runs): tests one by one, except the
+    modules of :data:`ONE_WORKER_MODULES`, each sent to one worker whole. (xdist's own
+    ``--dist loadgroup`` cannot do it with pytest >= 9.2: it renames ``item._nodeid``, which
+    pytest no longer reads.) Work units go out largest first (xdist's ``loadscope`` order)."""
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in ONE_WORKER_MODULES else nodeid
+
+    return ModuleFixtureScheduling(config, log)
 
 
 @dataclass(frozen=True)

@@ -56,8 +56,7 @@ from schemas.events import (
 from tests.conftest import Endpoints
 from tests.helpers import ProcessRunner, query, read_topic, wait_for
 
-# one xdist worker runs the whole module: its module fixture (above) starts once
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("kafka-connect-worker")]
+pytestmark = pytest.mark.e2e
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "services.sh"
 LICENSES = Path("/usr/share/common-licenses")

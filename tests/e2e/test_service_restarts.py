@@ -34,8 +34,7 @@ from tests.private_services import (
 )
 from tests.private_services import private_services as start_private_services
 
-# one xdist worker runs the whole module: its module fixture (above) starts once
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("private-services-restarts")]
+pytestmark = pytest.mark.e2e
 
 DOCS = 15
 CHUNK_SIZE_CHARS = 400

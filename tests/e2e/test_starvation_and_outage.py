@@ -35,8 +35,7 @@ from tests.private_services import (
 )
 from tests.private_services import private_services as start_private_services
 
-# one xdist worker runs the whole module: its module fixture (above) starts once
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("private-services-starve")]
+pytestmark = pytest.mark.e2e
 
 MAX_CONNECTIONS = 20
 OUTAGE_S = 15

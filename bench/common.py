@@ -35,9 +35,17 @@ from jobstream.settings import Settings
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def base_parser(description: str) -> argparse.ArgumentParser:
-    """Arguments every benchmark takes: services, partitions, plot file."""
-    p = argparse.ArgumentParser(description=description)
+def base_parser(doc: str | None) -> argparse.ArgumentParser:
+    """Arguments every benchmark takes: services, partitions, plot file.
+
+    ``doc`` is the benchmark module's docstring: its first paragraph (unwrapped) is the
+    ``--help`` description, so a sentence is never cut at the end of the docstring's first line.
+    """
+    first = " ".join((doc or "").split("\n\n", 1)[0].split())
+    p = argparse.ArgumentParser(
+        description=first,
+        epilog="Prints one JSON object on stdout (progress on stderr); bench/README.md says "
+               "what each figure means.")
     p.add_argument("--database-url", default=os.environ.get(
         "JOBSTREAM_DATABASE_URL", os.environ.get("DATABASE_URL", Settings().database_url)),
         help="server to create the run's database on (default: settings)")

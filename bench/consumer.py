@@ -354,7 +354,7 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 
 def main() -> None:
-    p = base_parser(__doc__.split("\n", 1)[0])
+    p = base_parser(__doc__)
     p.add_argument("--n", type=float, default=1e4, help="messages per scenario")
     p.add_argument("--dups", default="0,30", help="duplicate percentages, comma-separated")
     p.add_argument("--max-batch", type=int,

@@ -75,7 +75,7 @@ def _interactive(s: Settings, folder: Path, tag: str, n: int, chunks: int,
 
 
 def main() -> None:
-    p = base_parser(__doc__.split("\n", 1)[0])
+    p = base_parser(__doc__)
     p.add_argument("--latency", type=float, default=0.2, help="provider latency (seconds)")
     p.add_argument("--limit", type=int, default=4, help="shared provider concurrency limit")
     p.add_argument("--batch", type=int, default=100, help="documents in the batch")

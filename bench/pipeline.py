@@ -490,7 +490,7 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 
 def main() -> None:
-    p = base_parser(__doc__.split("\n", 1)[0])
+    p = base_parser(__doc__)
     p.set_defaults(partitions=8)
     p.add_argument("--jobs", type=int, default=200, help="documents per worker count")
     p.add_argument("--workers", default="1,2,4", help="worker process counts")

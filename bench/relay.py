@@ -567,7 +567,7 @@ def plot(result: dict[str, Any], path: str, lat_key: str) -> None:
 
 
 def main() -> None:
-    p = base_parser(__doc__.split("\n", 1)[0])
+    p = base_parser(__doc__)
     p.add_argument("--n", type=float, default=1e4, help="rows per drain (1e4..1e6)")
     p.add_argument("--n-large", type=float, default=0,
                    help="also drain a backlog this large (1e6: does the outbox slow down as "

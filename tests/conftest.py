@@ -44,10 +44,11 @@ ONE_WORKER_MODULES = frozenset({
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: unknown without it
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``-n N`` (``--dist load``, what ``scripts/test.sh`` runs): tests one by one, except the
-    modules of :data:`ONE_WORKER_MODULES`, each sent to one worker whole. (xdist's own
-    ``--dist loadgroup`` cannot do it with pytest >= 9.2: it renames ``item._nodeid``, which
-    pytest no longer reads.) Work units go out largest first (xdist's ``loadscope`` order)."""
+    """``-n N`` (``--dist load``; ``JOBSTREAM_TEST_WORKERS=2 bash scripts/test.sh``): tests one
+    by one, except the modules of :data:`ONE_WORKER_MODULES`, each sent to one worker whole.
+    (xdist's own ``--dist loadgroup`` cannot do it with pytest >= 9.2: it renames
+    ``item._nodeid``, which pytest no longer reads.) Work units go out largest first (xdist's
+    ``loadscope`` order)."""
     if config.getoption("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling

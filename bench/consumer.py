@@ -18,8 +18,9 @@ group, one after another:
   Postgres transaction per batch, the offset stored after the commit. Its dedup table
   (``--dedup-table``): ``digest`` (default), the library's current table
   (``consumers.ddl.create_tables`` in schema ``consumer_bench``: a 16-byte ``key_digest``
-  primary key), or ``keyed``, jobstream's own ``processed_event`` (the first shape: primary key
-  on ``(consumer_group, dedup_key, event_type)``, shared with the stage agents).
+  primary key), or ``jobstream``, jobstream's own ``processed_event`` (shared with the stage
+  agents; the same ``key_digest`` primary key since migration 0026, with the SQL function
+  ``processed_event_key`` its stage queries use).
 
 Rate = messages / (first message handed to the application .. last offset stored). Before each
 apply run the effect tables and ``processed_event`` are emptied; after each idempotent run the
@@ -58,6 +59,8 @@ from jobstream.ready_applier import (
     apply_ready,
     apply_ready_batch,
     apply_ready_batch_json,
+    apply_ready_rows,
+    copy_rows,
     idempotent_consumer,
 )
 from jobstream.settings import Settings
@@ -190,7 +193,7 @@ def make_consumer(settings: Settings, *, dedup: bool, max_batch: int | None, han
     """The ready applier (``jobstream.ready_applier.build``'s handlers) in a fresh group;
     ``dedup=False``: the at-least-once baseline (no ``processed_event`` insert or check, every
     delivered message applied). ``dedup_table``: ``digest`` (the library's table in
-    :data:`BENCH_SCHEMA`) or ``keyed`` (jobstream's ``processed_event``)."""
+    :data:`BENCH_SCHEMA`) or ``jobstream`` (jobstream's ``processed_event``)."""
     consumer = idempotent_consumer(settings, group=f"{settings.topic_prefix}apply-"
                                    f"{uuid.uuid4().hex[:8]}", topics=[], event_types=(),
                                    max_batch=max_batch)
@@ -198,9 +201,12 @@ def make_consumer(settings: Settings, *, dedup: bool, max_batch: int | None, han
         consumer._table = sql.Identifier(BENCH_SCHEMA, consumer.settings.table)
     consumer.settings = consumer.settings.model_copy(update={"decode_ahead": decode_ahead})
     consumer.on(JobReady, topic=settings.topic("job.ready"))(apply_ready)
-    if handler != "per-event":
-        consumer.on_batch(JobReady)(apply_ready_batch if handler == "copy"
-                                    else apply_ready_batch_json)
+    if handler == "copy":  # what jobstream.ready_applier.build registers
+        consumer.on_batch(JobReady, prepare=copy_rows)(apply_ready_rows)
+    elif handler == "copy-in-apply":  # the same rows, formatted in the applying thread
+        consumer.on_batch(JobReady)(apply_ready_batch)
+    elif handler == "json":
+        consumer.on_batch(JobReady)(apply_ready_batch_json)
     if not dedup:
         consumer._new_events = lambda conn, seen, first: list(seen)  # type: ignore[method-assign]
         consumer._record = lambda conn, event: (1,)  # type: ignore[method-assign]
@@ -360,16 +366,19 @@ def main() -> None:
     p.add_argument("--max-batch", type=int,
                    help="override IdempotentConsumer.max_batch (1 = a transaction per message; "
                         "default: ConsumerSettings.batch_size)")
-    p.add_argument("--handler", choices=["copy", "json", "per-event"], default="copy",
-                   help="batch handler: binary COPY (apply_ready_batch, default), jsonb "
+    p.add_argument("--handler", choices=["copy", "copy-in-apply", "json", "per-event"],
+                   default="copy",
+                   help="batch handler: binary COPY of rows prepared in the decode-ahead "
+                        "thread (copy_rows + apply_ready_rows, default), the same COPY "
+                        "formatted in the applying thread (apply_ready_batch), jsonb "
                         "multi-row INSERTs (apply_ready_batch_json), or none (the per-event "
                         "handler for each new event, pipelined)")
     p.add_argument("--no-decode-ahead", action="store_true",
                    help="decode each batch in the applying thread (decode_ahead=False)")
-    p.add_argument("--dedup-table", choices=["digest", "keyed"], default="digest",
-                   help="the idempotent apply's dedup table: the library's (key_digest primary "
-                        "key, schema consumer_bench; default) or jobstream's processed_event "
-                        "(primary key on the three text columns)")
+    p.add_argument("--dedup-table", choices=["digest", "jobstream"], default="digest",
+                   help="the idempotent apply's dedup table: the library's (schema "
+                        "consumer_bench; default) or jobstream's own processed_event (both "
+                        "keyed by the 16-byte key_digest since migration 0026)")
     p.add_argument("--rounds", type=int, default=3,
                    help="alternate the at-least-once and idempotent runs this many times; "
                         "the best of each is reported")

@@ -30,7 +30,9 @@ stored. If the handler raises, the batch is rolled back and split in halves, eac
 its own, down to one message per transaction, so a bad message costs only itself and its
 neighbours are applied exactly once. With ``decode_ahead`` (the default) the next batch is
 fetched before this one is applied and a second thread decodes it while this one is in
-Postgres (it only reads message values: the Kafka consumer and Postgres stay in one thread).
+Postgres (it only reads message values: the Kafka consumer and Postgres stay in one thread),
+computes its dedup-key digests and runs the batch handler's ``prepare`` on each event (e.g.
+the ready applier's binary COPY rows, :meth:`IdempotentConsumer.on_batch`).
 
 Examples
 --------
@@ -68,12 +70,13 @@ from psycopg.rows import DictRow, dict_row, tuple_row
 from consumers.ddl import create_tables, has_key_digest
 from consumers.headers import HEADERS_UNREADABLE, read_headers
 from consumers.routing import (
-    DB_OUTAGE,
     HANDLER_ERROR,
+    REFUSED_DATA,
     DeadLetterSink,
     FailureCounter,
     classify,
     describe,
+    is_outage,
 )
 from consumers.settings import ConsumerSettings
 from schemas.errors import PoisonMessage, RetryableError
@@ -118,6 +121,18 @@ class Hooks:
     bind: Callable[..., None] | None = None
     after_apply: Callable[[], None] | None = None
     in_transaction: Callable[[], None] | None = None
+
+
+#: A statement run after a pipeline, so Postgres arms the transaction's idle timeout again.
+REARM_IDLE_TIMEOUT = "SELECT 1"
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """What ``prepare`` raised in the decode-ahead thread (raised again when applied)."""
+
+    exc: Exception
 
 
 def _call(hook: Callable[..., Any] | None, *args: Any, **kw: Any) -> None:
@@ -188,6 +203,8 @@ class IdempotentConsumer:
         self._topics: list[str] = list(topics or [])
         self._handlers: dict[str, Handler] = {}
         self._batch_handlers: dict[str, BatchHandler] = {}
+        # event type -> on_batch(prepare=...): run in the decode-ahead thread per event.
+        self._prepare: dict[str, Callable[[Any], Any]] = {}
         for t in event_types:
             if handler is not None:
                 self._handlers[t] = handler
@@ -223,8 +240,12 @@ class IdempotentConsumer:
         self._conn: psycopg.Connection[DictRow] | None = None
         self._headers: dict[tuple[Any, Any, Any], list[tuple[str, bytes | None]]] = {}
         # (topic, partition, offset) -> the event or the PoisonMessage its decoding raised,
-        # for the batch being applied (filled by the decode-ahead thread).
+        # for the batch being applied (filled by the decode-ahead thread), and -> what its
+        # type's prepare() returned (or the exception it raised, wrapped in _Failed).
         self._predecoded: dict[tuple[Any, Any, Any], Any] = {}
+        self._prepared: dict[tuple[Any, Any, Any], Any] = {}
+        # (dedup_key, event_type) -> its key_digest, computed by the decode-ahead thread.
+        self._digests: dict[tuple[str, str], bytes] = {}
 
     # -- registration -------------------------------------------------------------------
 
@@ -280,9 +301,9 @@ class IdempotentConsumer:
 
         return register
 
-    def on_batch(self, event_class: type[E]
-                 ) -> Callable[[Callable[[psycopg.Connection[Any], list[E]], None]],
-                               Callable[[psycopg.Connection[Any], list[E]], None]]:
+    def on_batch(self, event_class: type[E], *, prepare: Callable[[E], Any] | None = None
+                 ) -> Callable[[Callable[[psycopg.Connection[Any], list[Any]], None]],
+                               Callable[[psycopg.Connection[Any], list[Any]], None]]:
         """Register the batch handler of ``event_class`` (a decorator), next to its per-event
         handler (:meth:`on`, registered first: the per-event handler still applies a batch
         that had to be split down to single messages).
@@ -291,6 +312,14 @@ class IdempotentConsumer:
         of each new dedup key, in delivery order) and must have the effect of calling the
         per-event handler for each in order, e.g. one multi-row statement or binary ``COPY``
         per table. It must not commit. If it raises, the batch is rolled back and split.
+
+        ``prepare(event)``, if given, turns one event into what ``fn`` writes (e.g. its COPY
+        rows as bytes) without touching Postgres; it runs in the decode-ahead thread right
+        after the event is decoded, so that work is done while the previous batch is in
+        Postgres, and ``fn(tx, values)`` then gets the prepared values of the new events
+        instead of the events (same order). It must be pure and thread-safe. An error it
+        raises is raised again when its event's batch is applied (rolled back and split:
+        the per-event handler then applies that event alone, or refuses it).
 
         Raises
         ------
@@ -313,9 +342,11 @@ class IdempotentConsumer:
         if event_type in self._batch_handlers:
             raise ValueError(f"{event_type} already has a batch handler")
 
-        def register(fn: Callable[[psycopg.Connection[Any], list[E]], None]
-                     ) -> Callable[[psycopg.Connection[Any], list[E]], None]:
+        def register(fn: Callable[[psycopg.Connection[Any], list[Any]], None]
+                     ) -> Callable[[psycopg.Connection[Any], list[Any]], None]:
             self._batch_handlers[event_type] = fn
+            if prepare is not None:
+                self._prepare[event_type] = prepare
             return fn
 
         return register
@@ -477,7 +508,7 @@ class IdempotentConsumer:
                     return "duplicate"
                 self._handlers[event.event_type](conn, event)
                 _call(self.hooks.in_transaction)
-        except (PoisonMessage, psycopg.DataError, UnicodeEncodeError) as exc:
+        except (PoisonMessage, *REFUSED_DATA) as exc:
             self._dead_letter(msg, classify(exc)[1], describe(exc))
             return "dead_lettered"
         self.stats.applied += 1
@@ -513,11 +544,17 @@ class IdempotentConsumer:
                 types = {ev.event_type for _, ev in todo}
                 one = next(iter(types)) if len(types) == 1 else None
                 if one is not None and one in self._batch_handlers:
-                    self._batch_handlers[one](conn, [ev for _, ev in todo])
+                    prepare = self._prepare.get(one)
+                    self._batch_handlers[one](conn, [ev for _, ev in todo] if prepare is None
+                                              else self._prepared_values(msgs, todo, prepare))
                 else:
                     with conn.pipeline():
                         for _, ev in todo:
                             self._handlers[ev.event_type](conn, ev)
+                    # Postgres arms idle_in_transaction_session_timeout only after a
+                    # statement outside a pipeline: without one, a consumer frozen before the
+                    # COMMIT kept this batch's rows (and the next owner waiting) for good.
+                    conn.execute(REARM_IDLE_TIMEOUT)
                 _call(self.hooks.in_transaction)
                 for i, ev in todo:
                     outcomes[i] = "applied"
@@ -539,6 +576,21 @@ class IdempotentConsumer:
                               msg.offset())
         return outcomes
 
+    def _prepared_values(self, msgs: list[Message], todo: list[tuple[int, Any]],
+                         prepare: Callable[[Any], Any]) -> list[Any]:
+        """``prepare(event)`` of each ``(index, event)`` of ``todo``: from the decode-ahead
+        thread when it ran, else computed now. Raises what ``prepare`` raised."""
+        out = []
+        for i, ev in todo:
+            m = msgs[i]
+            got = self._prepared.get((m.topic(), m.partition(), m.offset()), _MISSING)
+            if got is _MISSING:
+                got = prepare(ev)
+            elif isinstance(got, _Failed):
+                raise got.exc
+            out.append(got)
+        return out
+
     def _new_events(self, conn: psycopg.Connection[Any], seen: list[tuple[int, Any]],
                     first: dict[tuple[str, str], tuple[int, Any]]) -> list[tuple[int, Any]]:
         """Record the batch's keys in ``processed_event`` (one statement, in ``conn``'s
@@ -552,7 +604,9 @@ class IdempotentConsumer:
         types = [e.event_type for e in events]
         with _shape_changed(self):
             if self._key_digest:
-                digests = [self._digest(t, k) for t, k in zip(types, keys, strict=True)]
+                pre = self._digests  # from the decode-ahead thread, else computed here
+                digests = [pre.get((k, t)) or self._digest(t, k)
+                           for t, k in zip(types, keys, strict=True)]
                 by_digest = dict(zip(digests, zip(keys, types, strict=True), strict=True))
                 # The new rows' digests come back (16 bytes each, binary), not their texts.
                 new = {by_digest[d] for d, in cur.execute(
@@ -591,7 +645,7 @@ class IdempotentConsumer:
                 return True
             except Exception as exc:  # rolled back: decide, never skip silently
                 kind, code = classify(exc)
-                outage = isinstance(exc, DB_OUTAGE)
+                outage = is_outage(exc)
                 if outage:
                     _call(self.hooks.db_failed, exc)  # one line per outage, not per retry
                     if self._conn is not None:
@@ -661,7 +715,17 @@ class IdempotentConsumer:
         while not self._stop.is_set():
             try:
                 self.process_batch(msgs)
-            except DB_OUTAGE as exc:
+            except Exception as exc:
+                if not is_outage(exc):
+                    # the handler (or Postgres) refused one: find it, halving the batch
+                    half = len(msgs) // 2
+                    log.info("batch of %d rolled back (%s: %s); applying it as %s", len(msgs),
+                             type(exc).__name__, exc,
+                             f"two batches of {half} and {len(msgs) - half}" if len(msgs) > 8
+                             else "one message per transaction")
+                    if len(msgs) <= 8:
+                        return self._one_by_one(msgs)
+                    return self._apply(msgs[:half]) and self._apply(msgs[half:])
                 _call(self.hooks.db_failed, exc)
                 log.debug("batch failed (%s); retrying", exc)
                 if self._conn is not None:
@@ -669,15 +733,6 @@ class IdempotentConsumer:
                     self._conn = None
                 self._stop.wait(0.5)
                 continue
-            except Exception as exc:  # the handler refused one: find it, halving the batch
-                half = len(msgs) // 2
-                log.info("batch of %d rolled back (%s: %s); applying it as %s", len(msgs),
-                         type(exc).__name__, exc,
-                         f"two batches of {half} and {len(msgs) - half}" if len(msgs) > 8
-                         else "one message per transaction")
-                if len(msgs) <= 8:
-                    return self._one_by_one(msgs)
-                return self._apply(msgs[:half]) and self._apply(msgs[half:])
             _call(self.hooks.after_apply)
             last: dict[tuple[str, int], Message] = {}
             for m in msgs:
@@ -706,17 +761,36 @@ class IdempotentConsumer:
             msgs.append(m)
         return msgs
 
-    def _decode_all(self, msgs: list[Message]) -> dict[tuple[Any, Any, Any], Any]:
+    def _decode_all(self, msgs: list[Message]) -> tuple[dict[tuple[Any, Any, Any], Any],
+                                                        dict[tuple[Any, Any, Any], Any],
+                                                        dict[tuple[str, str], bytes]]:
         """Decode a batch (in the decode-ahead thread): position -> event, or the
-        :class:`PoisonMessage` its decoding raised (dead-lettered when the batch is applied).
-        Reads only the messages' key and value: the Kafka consumer stays in one thread."""
+        :class:`PoisonMessage` its decoding raised (dead-lettered when the batch is applied);
+        position -> its type's ``prepare(event)`` (:meth:`on_batch`), or ``_Failed``; and
+        ``(dedup_key, event_type)`` -> its ``key_digest``. Reads only the messages' key and
+        value: the Kafka consumer stays in one thread."""
         decoded: dict[tuple[Any, Any, Any], Any] = {}
+        prepared: dict[tuple[Any, Any, Any], Any] = {}
+        digests: dict[tuple[str, str], bytes] = {}
+        prepares = self._prepare
         for m in msgs:
+            pos = (m.topic(), m.partition(), m.offset())
             try:
-                decoded[(m.topic(), m.partition(), m.offset())] = self._decode_now(m)
+                event = decoded[pos] = self._decode_now(m)
             except PoisonMessage as exc:
-                decoded[(m.topic(), m.partition(), m.offset())] = exc
-        return decoded
+                decoded[pos] = exc
+                continue
+            key = (event.dedup_key, event.event_type)
+            if key not in digests:
+                with contextlib.suppress(UnicodeEncodeError):  # raised again when applied
+                    digests[key] = self._digest(event.event_type, event.dedup_key)
+            prepare = prepares.get(event.event_type) if prepares else None
+            if prepare is not None:
+                try:
+                    prepared[pos] = prepare(event)
+                except Exception as exc:  # noqa: BLE001 - raised again when applied
+                    prepared[pos] = _Failed(exc)
+        return decoded, prepared, digests
 
     def run(self, *, idle_exit_s: float | None = None) -> ConsumerStats:
         """Consume until :meth:`stop` (or, with ``idle_exit_s``, until idle that long, in
@@ -766,7 +840,8 @@ class IdempotentConsumer:
                 if msgs:
                     last_msg = time.monotonic()
                 if decoder is None:
-                    current: tuple[list[Message], Any] | None = (msgs, {}) if msgs else None
+                    current: tuple[list[Message], Any] | None = ((msgs, ({}, {}, {})) if msgs
+                                                                 else None)
                 else:
                     current = None if pending is None else (pending[0], pending[1].result())
                     pending = (msgs, decoder.submit(self._decode_all, msgs)) if msgs else None
@@ -775,11 +850,11 @@ class IdempotentConsumer:
                             and time.monotonic() - last_msg > idle_exit_s):
                         break
                     continue
-                self._predecoded = current[1]
+                self._predecoded, self._prepared, self._digests = current[1]
                 try:
                     ok = self._apply(current[0])
                 finally:
-                    self._predecoded = {}
+                    self._predecoded, self._prepared, self._digests = {}, {}, {}
                     self._headers.clear()
                 if not ok:
                     break

@@ -67,19 +67,32 @@ def safe_text(text: str, limit: int = 2000) -> str:
 #: Postgres unavailable, or this session ended under us (idle in transaction past its limit,
 #: e.g. a process paused mid-batch: SQLSTATE class 25 makes that an InternalError): an outage.
 DB_OUTAGE = (psycopg.OperationalError, psycopg.errors.IdleInTransactionSessionTimeout)
+#: Data Postgres refuses: bad data, never an outage, although psycopg files SQLSTATE class 54
+#: (program limits: an index row over btree's 2704 bytes, too many columns or arguments) under
+#: ``OperationalError``. Dead-lettered as ``invalid_data``; retried, they blocked a partition.
+REFUSED_DATA = (psycopg.DataError, psycopg.errors.ProgramLimitExceeded,
+                psycopg.errors.StatementTooComplex, psycopg.errors.TooManyColumns,
+                psycopg.errors.TooManyArguments, UnicodeEncodeError)
+
+
+def is_outage(exc: BaseException) -> bool:
+    """True when ``exc`` means Postgres is away or ended this session (:data:`DB_OUTAGE`), not
+    that it refused the data (:data:`REFUSED_DATA`)."""
+    return isinstance(exc, DB_OUTAGE) and not isinstance(exc, REFUSED_DATA)
 
 
 def classify(exc: BaseException) -> tuple[str, str]:
     """``(kind, code)`` of a failure while decoding or handling one message.
 
-    ``kind``: ``poison`` (:class:`PoisonMessage` with its code; ``psycopg.DataError`` or a
-    ``UnicodeEncodeError`` of a query parameter -> ``invalid_data``), ``transient``
+    ``kind``: ``poison`` (:class:`PoisonMessage` with its code; :data:`REFUSED_DATA`, e.g.
+    ``psycopg.DataError``, a Postgres limit or a ``UnicodeEncodeError`` of a query parameter
+    -> ``invalid_data``), ``transient``
     (:class:`RetryableError`, :class:`OutcomeUnknown`, :data:`DB_OUTAGE`, a
     retriable ``KafkaException``) or ``bug`` (anything else, code ``unhandled``).
     """
     if isinstance(exc, PoisonMessage):
         return "poison", exc.code
-    if isinstance(exc, psycopg.DataError | UnicodeEncodeError):  # e.g. a lone surrogate
+    if isinstance(exc, REFUSED_DATA):  # e.g. a lone surrogate, an index row too large
         return "poison", INVALID_DATA
     if isinstance(exc, RetryableError | OutcomeUnknown):
         return "transient", exc.code

@@ -7,8 +7,12 @@ the idempotent consumer's transaction. Run it with ``jobstream consume-ready``.
 
 from __future__ import annotations
 
+import functools
+import json
+import struct
 from decimal import Decimal
 
+import orjson
 import psycopg
 from psycopg.types.json import Jsonb
 
@@ -33,27 +37,102 @@ def apply_ready(conn: psycopg.Connection, ev: JobReady) -> None:
                                      ev.payload.charge_usd))
 
 
-#: Column types of the binary COPY of :func:`apply_ready_batch`.
-ANALYSIS_TYPES = ["text", "text", "uuid", "text", "text", "text", "text[]", "jsonb"]
-CHARGE_TYPES = ["text", "text", "uuid", "numeric"]
+#: Binary COPY framing (PostgreSQL "COPY ... (FORMAT BINARY)"): the signature with no flags
+#: and no header extension, and the end-of-data marker.
+COPY_SIGNATURE = b"PGCOPY\n\xff\r\n\0" + bytes(8)
+COPY_TRAILER = b"\xff\xff"
+_I32 = struct.Struct(">i")
+_ANALYSIS_FIELDS = struct.pack(">h", 8)
+_CHARGE_FIELDS = struct.pack(">h", 4)
+_UUID_LEN = _I32.pack(16)
+#: text[] header: 1 dimension, no NULLs, element type text (oid 25); then length and lower bound.
+_TEXT_ARRAY = struct.Struct(">iiIii")
+_NUMERIC = struct.Struct(">hhHH")
+
+
+def _text(s: str) -> bytes:
+    b = s.encode()  # strict UTF-8: a lone surrogate raises UnicodeEncodeError, as psycopg does
+    return _I32.pack(len(b)) + b
+
+
+def _text_array(items: list[str]) -> bytes:
+    pack = _I32.pack
+    parts = [_TEXT_ARRAY.pack(1, 0, 25, len(items), 1)]
+    for x in items:
+        b = x.encode()
+        parts += (pack(len(b)), b)
+    data = b"".join(parts)
+    return pack(len(data)) + data
+
+
+def _jsonb(value: object) -> bytes:
+    try:
+        text = orjson.dumps(value)
+    except (TypeError, orjson.JSONEncodeError):  # an int beyond 64 bits, a lone surrogate:
+        text = json.dumps(value).encode()          # what psycopg's Jsonb sends (json.dumps)
+    return _I32.pack(len(text) + 1) + b"\x01" + text  # jsonb binary format version 1
+
+
+@functools.lru_cache(maxsize=4096)
+def _numeric(value: float) -> bytes:
+    """PostgreSQL's binary ``numeric`` of ``Decimal(repr(value))`` (the decimal text
+    :func:`apply_ready` sends): base-10000 digits around the decimal point, cached per value
+    (charges repeat). Raises ``ValueError`` for NaN or an infinity (the per-event path then
+    sends it and Postgres decides)."""
+    dec = Decimal(repr(value))
+    if not dec.is_finite():
+        raise ValueError(f"not a finite number: {value!r}")
+    exp = dec.as_tuple().exponent
+    assert isinstance(exp, int)
+    whole, _, frac = format(abs(dec), "f").partition(".")
+    whole = whole.lstrip("0")
+    whole = "0" * (-len(whole) % 4) + whole
+    frac += "0" * (-len(frac) % 4)
+    groups = [int(whole[i:i + 4]) for i in range(0, len(whole), 4)]
+    weight = len(groups) - 1
+    groups += [int(frac[i:i + 4]) for i in range(0, len(frac), 4)]
+    while groups and groups[0] == 0:
+        groups.pop(0)
+        weight -= 1
+    while groups and groups[-1] == 0:
+        groups.pop()
+    if not groups:
+        weight = 0
+    data = (_NUMERIC.pack(len(groups), weight, 0x4000 if dec.is_signed() and groups else 0,
+                          max(0, -exp)) + struct.pack(f">{len(groups)}H", *groups))
+    return _I32.pack(len(data)) + data
+
+
+def copy_rows(ev: JobReady) -> tuple[bytes, bytes]:
+    """The binary ``COPY`` rows of one ``job.ready``: ``(analysis row, charge row)``, the same
+    values :func:`apply_ready` inserts (the charge through ``Decimal(repr(x))``). Pure Python
+    with no connection: the consumer runs it in its decode-ahead thread
+    (``@consumer.on_batch(JobReady, prepare=copy_rows)``). Raises ``UnicodeEncodeError`` (a
+    string that is not valid Unicode) or ``ValueError`` (a charge that is not finite); the
+    batch is then split and the event applied alone by :func:`apply_ready`."""
+    r = ev.payload.result
+    head = b"".join((_text(ev.tenant_id), _text(ev.dedup_key), _UUID_LEN, ev.job_id.bytes))
+    analysis = b"".join((_ANALYSIS_FIELDS, head, _text(ev.payload.filename), _text(r.title),
+                         _text(r.summary), _text_array(r.keywords), _jsonb(r.fields)))
+    return analysis, b"".join((_CHARGE_FIELDS, head, _numeric(ev.payload.charge_usd)))
+
+
+def apply_ready_rows(conn: psycopg.Connection, rows: list[tuple[bytes, bytes]]) -> None:
+    """Write the :func:`copy_rows` of many events (caller's tx): one binary ``COPY`` per table,
+    the rows in order. Raises ``psycopg.Error`` (``DataError`` for a value Postgres refuses,
+    e.g. a charge over ``numeric(14, 8)``: the consumer then splits the batch)."""
+    with conn.cursor().copy(Q["apply_analysis_copy"]) as cp:
+        cp.write(b"".join([COPY_SIGNATURE, *[a for a, _ in rows], COPY_TRAILER]))
+    with conn.cursor().copy(Q["apply_charge_copy"]) as cp:
+        cp.write(b"".join([COPY_SIGNATURE, *[c for _, c in rows], COPY_TRAILER]))
 
 
 def apply_ready_batch(conn: psycopg.Connection, events: list[JobReady]) -> None:
     """:func:`apply_ready` for many events at once (caller's tx): one binary ``COPY`` per
-    table, the same rows in the same order. The charge goes through ``Decimal(repr(x))``, the
-    same decimal text Postgres parses in :func:`apply_ready`. Raises ``psycopg.Error``
-    (``DataError`` for a value Postgres refuses: the consumer then splits the batch)."""
-    with conn.cursor().copy(Q["apply_analysis_copy"]) as cp:
-        cp.set_types(ANALYSIS_TYPES)
-        for ev in events:
-            r = ev.payload.result
-            cp.write_row((ev.tenant_id, ev.dedup_key, ev.job_id, ev.payload.filename, r.title,
-                          r.summary, r.keywords, Jsonb(r.fields)))
-    with conn.cursor().copy(Q["apply_charge_copy"]) as cp:
-        cp.set_types(CHARGE_TYPES)
-        for ev in events:
-            cp.write_row((ev.tenant_id, ev.dedup_key, ev.job_id,
-                          Decimal(repr(ev.payload.charge_usd))))
+    table (:func:`copy_rows`, :func:`apply_ready_rows`), the same rows in the same order.
+    Raises ``psycopg.Error`` (``DataError`` for a value Postgres refuses: the consumer then
+    splits the batch), ``UnicodeEncodeError`` or ``ValueError`` (see :func:`copy_rows`)."""
+    apply_ready_rows(conn, [copy_rows(ev) for ev in events])
 
 
 def apply_ready_batch_json(conn: psycopg.Connection, events: list[JobReady]) -> None:
@@ -112,9 +191,10 @@ def idempotent_consumer(settings: Settings, *, group: str, topics: list[str],
 
 def build(settings: Settings) -> IdempotentConsumer:
     """The ready applier as an :class:`IdempotentConsumer` on ``job.ready``: per event
-    :func:`apply_ready`, per batch :func:`apply_ready_batch` (``@consumer.on_batch``)."""
+    :func:`apply_ready`, per batch :func:`apply_ready_rows` of the :func:`copy_rows` the
+    decode-ahead thread prepared (``@consumer.on_batch(JobReady, prepare=copy_rows)``)."""
     consumer = idempotent_consumer(settings, group=settings.group(GROUP), topics=[],
                                    event_types=())
     consumer.on(JobReady, topic=settings.topic("job.ready"))(apply_ready)
-    consumer.on_batch(JobReady)(apply_ready_batch)
+    consumer.on_batch(JobReady, prepare=copy_rows)(apply_ready_rows)
     return consumer

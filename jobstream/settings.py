@@ -139,6 +139,12 @@ class Settings(BaseSettings):
         "(seconds). Kafka redelivery recovers a crashed run within a session timeout plus a "
         "lease; the sweeper is the backstop for runs nothing will redeliver."
     )
+    llm_local_one_transaction: bool = Field(
+        True, description="The llm stage of a job on the in-process model (local profile) "
+        "claims, answers and completes in ONE transaction, shared with other events like the "
+        "short stages (stage_batch_max); a remote provider's job keeps two transactions, its "
+        "lease and the shared limit whatever this says (bench/README.md).",
+    )
     llm_concurrency: int = Field(
         4, ge=1, description="Chunk-stage events one worker's LLM agent runs at once."
     )
@@ -226,6 +232,13 @@ class Settings(BaseSettings):
         30.0, gt=0, description="Relay: longest wait before re-sending rows whose delivery "
                                 "failed with a retriable error (seconds; doubles from 0.5)."
     )
+    relay_missing_topic_park_s: float = Field(
+        300.0, ge=0, description="Relay: rows for a topic the broker says does not exist (never "
+                                 "created, or deleted) are retried this long after the relay "
+                                 "first saw it missing, then parked in the dead_letter table "
+                                 "(undeliverable; their jobs fail) so they stop holding up the "
+                                 "outbox (seconds; 0 parks at the first failure)."
+    )
     relay_batch_size: int = Field(500, ge=1, description="Outbox rows per relay batch.")
     relay_max_in_flight: int = Field(
         5000, ge=1, description="Relay: most rows produced and not yet acknowledged; the next "
@@ -234,6 +247,22 @@ class Settings(BaseSettings):
     relay_in_flight_wait_s: float = Field(
         0.005, gt=0, description="Relay, caught up with rows in flight: how long it waits for "
                                  "a NOTIFY before marking the acknowledged rows (seconds)."
+    )
+    relay_prefetch: bool = Field(
+        False, description="Relay, draining a backlog: read the next batch on a connection of "
+                           "its own while the current one is produced, instead of waiting for "
+                           "each fetch (one more Postgres connection per active relay). Off by "
+                           "default: it did not raise the drain rate here and cost ~1.5 us of "
+                           "relay CPU per row (bench/README.md)."
+    )
+    relay_notify_below_rate: float = Field(
+        0.0, ge=0, description="Relay: while outbox rows arrive faster than this (rows/s over "
+                               "0.1 s) it polls every relay_in_flight_wait_s and writers send "
+                               "no NOTIFY (a NOTIFY serialises the commits of every transaction "
+                               "sending one, server-wide); below it they notify and it waits "
+                               "for them. 0 (default): writers always notify. Opt-in: it "
+                               "raised writers' commits/s ~1.7x but the relay's commit -> "
+                               "broker latency at 1.5k/s rose (bench/README.md)."
     )
     relay_rescan_s: float = Field(
         1.0, gt=0, description="Relay, draining a backlog: how often it also looks below its "

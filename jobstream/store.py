@@ -473,7 +473,8 @@ class Store:
                                     code="invalid_data") from None
         raise RetryableError("intake kept losing a uniqueness race", code="db_conflict")
 
-    def intake_batch(self, intents: Sequence[IntakeIntent]) -> list[IntakeResult | Exception]:
+    def intake_batch(self, intents: Sequence[IntakeIntent], *, idle_limit_s: float | None = None
+                     ) -> list[IntakeResult | Exception]:
         """Accept many client intents in ONE transaction: per intent exactly what
         :meth:`intake` does (idempotency record, dedup key, job, ``intake`` checkpoint and the
         ``job.accepted`` outbox row together), each in its own savepoint, so an intent Postgres
@@ -489,6 +490,12 @@ class Store:
         unreachable, or the commit fails, every intent that did not fail on its own gets a
         :class:`RetryableError` (``db_unavailable``) or, when the commit itself was refused, is
         accepted again one transaction per intent (:meth:`intake`).
+
+        ``idle_limit_s`` (seconds): the transaction may sit idle that long
+        (``idle_in_transaction_session_timeout``, set locally), so a process frozen inside it
+        (SIGSTOP, a VM pause) loses its session and the row locks of the batch's documents,
+        which the partitions' next owner needs for the same events; its commit then fails as an
+        outage (``db_unavailable``) and the events come back as replays.
         """
         out: list[IntakeResult | Exception | None] = [None] * len(intents)
         if not intents:
@@ -500,7 +507,16 @@ class Store:
             intents[i].tenant_id, first[(intents[i].tenant_id, intents[i].idempotency_key)], i))
         try:
             with self.connection() as conn, conn.transaction():
-                for i in self._intake_fast(conn, intents, order, out):
+                limit = {"ms": str(int((idle_limit_s or 0) * 1000))}
+                if idle_limit_s is not None:
+                    conn.execute(Q["one_transaction_idle_limit"], limit)
+                slow = self._intake_fast(conn, intents, order, out)
+                if idle_limit_s is not None and len(order) > 1:
+                    # Postgres arms the idle timeout only after a statement outside a
+                    # pipeline: after _intake_fast's pipeline a process frozen until the
+                    # COMMIT would keep its session (and locks) for good.
+                    conn.execute(Q["one_transaction_idle_limit"], limit)
+                for i in slow:
                     it = intents[i]
                     span = it.span or tracing.start()
                     with tracing.use(span):
@@ -514,7 +530,9 @@ class Store:
                         except Exception as exc:  # its savepoint rolled back; the rest stands
                             out[i] = exc
                 faults.point("intake_batch_before_commit")
-        except psycopg.OperationalError as exc:
+        except (psycopg.OperationalError,
+                # The session was ended under a frozen process (idle_limit_s): an outage.
+                psycopg.errors.IdleInTransactionSessionTimeout) as exc:
             err = RetryableError(f"database unavailable: {exc}", code="db_unavailable")
             return [r if isinstance(r, PoisonMessage) else err for r in out]
         except psycopg.Error:  # the COMMIT refused (e.g. a deferred constraint): one by one
@@ -884,22 +902,22 @@ class Store:
         fence = {"job_id": job_id, "stage": claim.stage, "run_token": claim.run_token,
                  "generation": claim.generation}
         for a in local_answers:
-            row = conn.execute(Q["insert_succeeded_attempt"], {
-                **fence, "chunk_idx": a.idx, "attempt": a.attempt,
-                "model_profile": claim.job.model_profile, "model": a.model,
-                "latency_ms": a.latency_ms, "prompt_tokens": a.prompt_tokens,
-                "completion_tokens": a.completion_tokens, "cost_usd": a.cost_usd}).fetchone()
-            if row is None or conn.execute(Q["save_chunk_output"], {
-                    **fence, "output": Jsonb(a.output), "attempt_id": row["attempt_id"],
-                    "idx": a.idx}).rowcount != 1:
+            # The attempt and the chunk's output in one statement, fenced like the checkpoint.
+            if conn.execute(Q["record_local_answer"], {
+                    **fence, "chunk_idx": a.idx, "attempt": a.attempt,
+                    "model_profile": claim.job.model_profile, "model": a.model,
+                    "latency_ms": a.latency_ms, "prompt_tokens": a.prompt_tokens,
+                    "completion_tokens": a.completion_tokens, "cost_usd": a.cost_usd,
+                    "output": Jsonb(a.output)}).fetchone() is None:
                 raise StaleRun(f"stage {claim.stage} of job {job_id}: run {claim.run_token} "
                                "was fenced off (or the chunk answered meanwhile); result "
                                "discarded")
-        cur = conn.execute(Q["complete_stage"], {
+        # The fenced checkpoint and the job's advance in one statement.
+        row = conn.execute(Q["complete_stage_advance_job"], {
             "output": Jsonb(output), "input_hash": input_hash, "code_version": code_version,
             "cost_usd": cost_usd, "job_id": job_id, "stage": claim.stage,
-            "run_token": claim.run_token, "emitted": Jsonb(emitted)})
-        if cur.rowcount != 1:
+            "run_token": claim.run_token, "emitted": Jsonb(emitted)}).fetchone()
+        if row is None or row["completed"] != 1:
             raise StaleRun(f"stage {claim.stage} of job {job_id}: run {claim.run_token} "
                            "was fenced off; result discarded")
         if later_stages and claim.attempt > 1:  # a first run has no later checkpoints yet
@@ -909,7 +927,6 @@ class Store:
                 conn.execute(Q["delete_chunks"], (job_id,))
             with conn.cursor() as c:
                 c.executemany(Q["insert_chunk"], [(job_id, *ch) for ch in chunks])
-        conn.execute(Q["advance_job"], (claim.stage, cost_usd, job_id))
         if charge_usd is not None:
             conn.execute(Q["succeed_job"], (charge_usd, job_id))
         self.add_outbox(conn, next_msg)

@@ -23,9 +23,12 @@ Protocol (design.md, "Outbox relay"):
    in one transaction; the relay goes on. Rows that failed with a retriable error stay
    unpublished and are re-sent after a backoff (0.5 s doubling to ``relay_backoff_cap_s``).
 5. Wake on ``LISTEN outbox_v1`` (a NOTIFY is sent by a trigger at commit); fall back to polling
-   every ``relay_poll_interval_s``. Every ``gc_interval_s`` the active relay runs retention
-   (:mod:`jobstream.retention`): ``outbox_published`` records, idempotent-consumer rows and
-   idempotency records past their horizons, a bounded number of batches per run.
+   every ``relay_poll_interval_s``. With ``relay_notify_below_rate`` set (opt-in), while rows
+   arrive faster than that the relay disarms the trigger's NOTIFY (migration 0025: a NOTIFY
+   serialises commits server-wide) and polls every ``relay_in_flight_wait_s`` instead.
+   Every ``gc_interval_s`` the active relay runs retention (:mod:`jobstream.retention`):
+   ``outbox_published`` records, idempotent-consumer rows and idempotency records past their
+   horizons, a bounded number of batches per run.
 6. The active relay also runs the stuck-stage sweeper (``streams.actions.sweep``).
 """
 
@@ -61,6 +64,11 @@ RELAY_LOCK_ID = 0x6F757462  # "outb": the active-relay advisory lock
 HOUSEKEEPING_LOCK_ID = 0x6F757463  # the same for --housekeeping-only (Debezium publishes)
 CHANNEL = "outbox_v1"
 GC_MAX_BATCHES = 20  # per table and run: retention must not hold up publishing for long
+#: The window over which the relay measures how fast rows arrive (relay_notify_below_rate).
+RATE_WINDOW_S = 0.1
+#: After re-arming the writers' NOTIFY the relay still polls this long: a writer that read the
+#: flag just before it was set commits within it (a longer one waits for the next poll).
+ARM_GRACE_S = 0.05
 
 
 class DeliveryFailed(Exception):
@@ -74,6 +82,15 @@ PERMANENT_ERRORS = frozenset({
     KafkaError.RECORD_LIST_TOO_LARGE, KafkaError.INVALID_RECORD, KafkaError.POLICY_VIOLATION,
     KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.TOPIC_EXCEPTION, KafkaError._INVALID_ARG,
     KafkaError._BAD_MSG, KafkaError._VALUE_SERIALIZATION,
+})
+
+
+#: Delivery errors a missing topic gives: never created (``UNKNOWN_TOPIC_OR_PART`` once
+#: ``topic.metadata.propagation.max.ms`` passed) or deleted after the producer had its metadata
+#: (``_MSG_TIMED_OUT`` after ``message.timeout.ms``). Retriable, unless the broker's metadata
+#: says the topic is gone for ``relay_missing_topic_park_s``: then the row is parked.
+MISSING_TOPIC_ERRORS = frozenset({
+    KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC, KafkaError._MSG_TIMED_OUT,
 })
 
 
@@ -178,6 +195,75 @@ class Marker(threading.Thread):
             log.debug("marker connection close: %s", exc)
 
 
+class Prefetcher(threading.Thread):
+    """Reads the next batch after the relay's last id on a connection of its own while the
+    relay's loop produces the current one (a backlog draining): the loop's fetch then finds
+    its rows decoded instead of waiting for Postgres (bench/README.md: the wait for the fetch
+    was the largest share of the loop). A prefetched batch is what ``outbox_fetch_after``
+    would have returned a moment earlier: rows of transactions that commit late below or
+    inside it are the look from the floor's, as ever. One request at a time; an error (e.g.
+    Postgres gone) is raised by the :meth:`take` that wanted its rows."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(name="relay-prefetch", daemon=True)
+        self._conn = connect(url, autocommit=True)
+        set_json_loads(orjson.loads, self._conn)
+        self._requests: queue.Queue[tuple[int, int] | None] = queue.Queue()
+        self._want: tuple[int, int] | None = None  # the request outstanding or answered
+        self._done = threading.Event()
+        self._rows: list[tuple[Any, ...]] = []
+        self._error: Exception | None = None
+        self.transactions = 0  # statements run (one autocommit transaction each)
+
+    def request(self, after: int, n: int) -> None:
+        """Start reading the ``n`` unpublished rows after id ``after`` (a request not taken
+        yet is dropped)."""
+        self.discard()
+        self._want = (after, n)
+        self._done.clear()
+        self._requests.put((after, n))
+
+    def take(self, after: int, n: int) -> list[tuple[Any, ...]] | None:
+        """The rows of the request for ``(after, n)`` (waiting for it), or None when there is
+        no such request (the caller reads them itself). Raises the request's error."""
+        if self._want != (after, n):
+            self.discard()
+            return None
+        self._done.wait()
+        self._want = None
+        rows, self._rows = self._rows, []
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return rows
+
+    def discard(self) -> None:
+        """Drop the outstanding request (waiting for its statement to finish)."""
+        if self._want is not None:
+            self._done.wait()
+            self._want, self._rows, self._error = None, [], None
+
+    def run(self) -> None:
+        while (item := self._requests.get()) is not None:
+            try:
+                self.transactions += 1
+                with self._conn.cursor(row_factory=tuple_row) as cur:
+                    self._rows = cur.execute(Q["outbox_fetch_after"], item).fetchall()
+            except Exception as exc:  # raised by take()
+                self._error = exc
+            finally:
+                self._done.set()
+
+    def close(self) -> None:
+        """Stop the thread and close its connection."""
+        self._requests.put(None)
+        self.join(60)
+        try:
+            self._conn.close()
+        except Exception as exc:  # a connection already broken
+            log.debug("prefetch connection close: %s", exc)
+
+
 class OutboxRelay:
     """Publishes the outbox until :meth:`stop` is called (thread-safe) or a signal arrives."""
 
@@ -199,12 +285,19 @@ class OutboxRelay:
         self._failed: list[tuple[tuple[Any, ...], KafkaError]] = []
         self._refused: list[tuple[tuple[Any, ...], str]] = []
         self._marker: Marker | None = None  # in run(): marks on a connection of its own
+        self._prefetch: Prefetcher | None = None  # in run(): the next batch read ahead
         self._hwm = 0  # the highest id fetched
         self._draining = False  # the last fetch was a full batch: continue after _hwm
         self._floor = 0  # rows below it were published (or parked) when it was recorded
         self._floors: deque[tuple[float, int]] = deque()  # (monotonic time, floor) per rescan
         self._last_rescan = self._last_full = time.monotonic()
         self._touched = time.monotonic()  # the last statement on the lock session
+        # Writers' NOTIFY armed (migration 0025), since when; rows fetched in the rate window.
+        self._armed, self._armed_at = True, 0.0
+        self._window_rows, self._window_start = 0, time.monotonic()
+        #: Topics the broker's metadata said do not exist -> when that was first seen
+        #: (monotonic s); see _missing_past_grace.
+        self._missing_topics: dict[str, float] = {}
 
     def stop(self, *_: Any) -> None:
         """Ask the relay loop to finish its current batch and return."""
@@ -279,10 +372,16 @@ class OutboxRelay:
         now = time.monotonic()
         if self._draining and now - self._last_rescan < st.relay_rescan_s:
             self.mark(conn)  # on the marker thread: rows after _hwm only are read here
-            self.stats.transactions += 1
-            with conn.cursor(row_factory=tuple_row) as cur:
-                rows = cur.execute(Q["outbox_fetch_after"], (self._hwm, n)).fetchall()
+            got = None if self._prefetch is None else self._prefetch.take(self._hwm, n)
+            if got is not None:
+                rows = got  # its transaction is counted by the prefetcher
+            else:
+                self.stats.transactions += 1
+                with conn.cursor(row_factory=tuple_row) as cur:
+                    rows = cur.execute(Q["outbox_fetch_after"], (self._hwm, n)).fetchall()
         else:
+            if self._prefetch is not None:
+                self._prefetch.discard()  # this look reads the rows after _hwm itself
             floors = self._floors
             while floors and now - floors[0][0] >= st.relay_late_commit_s:
                 self._floor = floors.popleft()[1]
@@ -314,6 +413,8 @@ class OutboxRelay:
         self._draining = len(rows) >= n
         if rows:
             self._hwm = max(self._hwm, max(r[0] for r in rows))
+        if self._draining and self._prefetch is not None:
+            self._prefetch.request(self._hwm, n)  # read while these rows are produced
         return rows
 
     def _forget_floor(self) -> None:
@@ -328,8 +429,16 @@ class OutboxRelay:
         ``_refused`` with the reason."""
         produce, poll, pending = self._producer.produce, self._producer.poll, self._pending
         on_delivery = self._on_delivery
+        missing, now = self._missing_topics, time.monotonic()
+        grace = self.settings.relay_missing_topic_park_s
         for row in rows:
             _id, topic, key, payload, headers, _type = row
+            if missing and now - missing.get(topic, now + 1) >= grace:
+                # Its topic is gone past the grace: not queued in the client (where it would
+                # wait message.timeout.ms and hold every flush up); settle() re-checks the
+                # topic and parks it, or sends it again if the topic is back.
+                self._failed.append((row, KafkaError(KafkaError._UNKNOWN_TOPIC)))
+                continue
             while True:
                 try:  # a dict of str headers is UTF-8 encoded by the client, in C
                     produce(topic, value=payload, key=key, headers=headers,
@@ -347,7 +456,13 @@ class OutboxRelay:
                         (row, f"cannot serialise the row: {type(exc).__name__}: {exc}"))
                     break
                 except (KafkaException, ValueError) as exc:  # e.g. MSG_SIZE_TOO_LARGE
-                    self._refused.append((row, _describe_exc(exc)))
+                    err = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
+                    if isinstance(err, KafkaError) and err.code() in MISSING_TOPIC_ERRORS:
+                        # The client knows the topic is missing: retriable until the grace
+                        # (settle(): _missing_past_grace), as a delivery report saying so.
+                        self._failed.append((row, err))
+                    else:
+                        self._refused.append((row, _describe_exc(exc)))
                     break
 
     def _on_delivery(self, row: tuple[Any, ...], err: KafkaError | None, _msg: Any) -> None:
@@ -413,6 +528,7 @@ class OutboxRelay:
         retriable += [(row, err) for row, err in self._failed if not _permanent(err)]
         lone = [row for row, err in self._failed if _permanent(err)]
         refused, self._refused, self._failed = self._refused, [], []
+        retriable = self._missing_past_grace(retriable, refused)
         for row in lone:  # isolate: one row alone in its produce request
             alone, refusal = self._send([row])
             if 0 in refusal:
@@ -434,6 +550,49 @@ class OutboxRelay:
             errs = [err for _, err in retriable[:3]]
             raise DeliveryFailed(f"{len(retriable)} rows not delivered (retriable), "
                                  f"{len(refused)} parked: {errs}")
+
+    def _topics_missing(self, topics: set[str]) -> set[str]:
+        """Those of ``topics`` the broker's metadata does not have (never created, or
+        deleted): ONE metadata request for all, waiting at most 2 s; an empty set when the
+        broker did not answer (an outage is not a missing topic)."""
+        try:
+            known = self._producer.list_topics(timeout=2).topics
+        except KafkaException:
+            return set()
+        return {t for t in topics if t not in known}
+
+    def _missing_past_grace(self, retriable: list[tuple[tuple[Any, ...], KafkaError | None]],
+                            refused: list[tuple[tuple[Any, ...], str]]
+                            ) -> list[tuple[tuple[Any, ...], KafkaError | None]]:
+        """Of the rows that failed retriably: move to ``refused`` (to be parked) those whose
+        topic the broker has said does not exist for ``relay_missing_topic_park_s`` or
+        longer, and return the others. A row whose report says its topic is missing, or that
+        got no report in time, has its topic looked up (one metadata request per call); a
+        topic found again is forgotten. Before, the client's own ``_UNKNOWN_TOPIC`` refusal
+        parked a row at once (a topic created 30 s late failed jobs), while a deleted topic's
+        rows were re-sent round after round, each waiting out message.timeout.ms."""
+        now, grace = time.monotonic(), self.settings.relay_missing_topic_park_s
+        looked = {row[1] for row, err in retriable
+                  if err is None or err.code() in MISSING_TOPIC_ERRORS}
+        if not looked:
+            return retriable
+        missing = self._topics_missing(looked)
+        for topic in looked:
+            if topic in missing:
+                self._missing_topics.setdefault(topic, now)
+            else:
+                self._missing_topics.pop(topic, None)
+        keep: list[tuple[tuple[Any, ...], KafkaError | None]] = []
+        for row, err in retriable:
+            topic = row[1]
+            if topic in looked:
+                since = self._missing_topics.get(topic)
+                if since is not None and now - since >= grace:
+                    refused.append((row, f"topic {topic} does not exist (the broker said so "
+                                         f"for {now - since:.0f} s): {_describe_err(err)}"))
+                    continue
+            keep.append((row, err))
+        return keep
 
     def _send(self, rows: list[tuple[Any, ...]]
               ) -> tuple[dict[int, KafkaError | None], dict[int, str]]:
@@ -575,6 +734,29 @@ class OutboxRelay:
             self._stop.wait(min(left, self.settings.relay_lock_timeout_s / 3))
             self._keep_lock(conn)
 
+    def _set_armed(self, conn: Conn, armed: bool) -> None:
+        """Arm (writers NOTIFY on commit) or disarm (the relay polls) the outbox trigger."""
+        conn.execute(Q["relay_arm_notify"], (1 if armed else 0,))
+        self.stats.transactions += 1
+        self._armed, self._armed_at = armed, time.monotonic()
+        log.debug("writers' NOTIFY %s", "armed" if armed else "disarmed: polling")
+
+    def _polling(self, conn: Conn, rows: int) -> bool:
+        """Count ``rows`` fetched; every RATE_WINDOW_S disarm the writers' NOTIFY when rows
+        came faster than ``relay_notify_below_rate`` (re-arm it when slower). True while the
+        relay must poll rather than wait for a NOTIFY: disarmed, or armed only just now."""
+        rate = self.settings.relay_notify_below_rate
+        if rate <= 0 or self.housekeeping_only:
+            return False
+        now = time.monotonic()
+        self._window_rows += rows
+        if now - self._window_start >= RATE_WINDOW_S:
+            fast = self._window_rows / (now - self._window_start) >= rate
+            self._window_rows, self._window_start = 0, now
+            if fast == self._armed:
+                self._set_armed(conn, not fast)
+        return not self._armed or time.monotonic() - self._armed_at < ARM_GRACE_S
+
     def _relay_loop(self, conn: Conn) -> None:
         """Publish (or only keep house) while the lock is held and no stop was asked."""
         retry_s = 0.5
@@ -614,7 +796,14 @@ class OutboxRelay:
             if time.monotonic() - last_gc > self.settings.gc_interval_s:
                 self._gc()
                 last_gc = time.monotonic()
-            if n < batch:
+            polling = self._polling(conn, n)
+            if n < batch and polling:
+                # Rows arrive fast: writers send no NOTIFY (migration 0025); look again soon.
+                for _ in conn.notifies(timeout=self.settings.relay_in_flight_wait_s,
+                                       stop_after=1):
+                    pass
+                fetch = True
+            elif n < batch:
                 # Caught up: sleep until a NOTIFY (a commit) or the polling interval; with
                 # rows in flight only briefly, to serve their reports. Acknowledged rows
                 # wait at most relay_delete_hold_s for the next commit's NOTIFY: its fetch
@@ -655,6 +844,10 @@ class OutboxRelay:
         """On the way out (stop or error): wait briefly for the rows in flight and mark those
         delivered, so a clean stop re-publishes nothing. Best effort: what is not marked is
         published again by the next active relay."""
+        prefetch, self._prefetch = self._prefetch, None
+        if prefetch is not None:
+            prefetch.close()
+            self.stats.transactions += prefetch.transactions
         marker = self._marker
         if marker is None:
             return
@@ -689,6 +882,11 @@ class OutboxRelay:
                     if not self._acquire_lock(conn):
                         break
                     conn.execute(f"LISTEN {CHANNEL}")  # constant channel name, not input
+                    if not self.housekeeping_only:
+                        # Writers notify until rows come fast (a relay that died disarmed
+                        # left them silent); the look that follows misses nothing.
+                        self._set_armed(conn, True)
+                        self._armed_at = 0.0
                     # The jsonb headers of every fetched row, decoded by orjson (C) rather
                     # than json.loads: the largest item of the relay's profile (bench/README.md).
                     set_json_loads(orjson.loads, conn)
@@ -702,6 +900,9 @@ class OutboxRelay:
                     if not self.housekeeping_only:
                         self._marker = self._new_marker()
                         self._marker.start()
+                        if self.settings.relay_prefetch:
+                            self._prefetch = Prefetcher(self.settings.database_url)
+                            self._prefetch.start()
                     try:
                         self._relay_loop(conn)
                     finally:

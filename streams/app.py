@@ -18,7 +18,7 @@ import faust
 from jobstream.settings import Settings
 from jobstream.store import Store
 from schemas.pipeline import PIPELINE, Pipeline
-from streams import offsets, records
+from streams import delivery, offsets, records
 from streams.context import StageContext
 
 
@@ -71,6 +71,7 @@ def create_app(settings: Settings, stages: Iterable[str] | None = None,
     # directory); with memory:// stores nothing there outlives the process. faust does not create
     # the parent folder.
     records.install()  # a header name that is not UTF-8 must not crash the fetcher
+    delivery.install()  # no four tasks per fetched message (streams/delivery.py)
     datadir = os.path.join(tempfile.gettempdir(), "jobstream-faust")
     os.makedirs(datadir, exist_ok=True)
     datadir = os.path.join(datadir, group)

@@ -245,7 +245,10 @@ class IntakeBatcher:
             except Exception as exc:  # PoisonMessage (or a bug): this event alone
                 out[i] = exc
         t1 = time.monotonic()
-        for i, result in zip(where, self.ctx.store.intake_batch(intents), strict=True):
+        # A worker frozen inside the batch's transaction longer than the lease loses it (and
+        # the documents' row locks the partitions' next owner needs).
+        results = self.ctx.store.intake_batch(intents, idle_limit_s=self.ctx.settings.lease_s)
+        for i, result in zip(where, results, strict=True):
             out[i] = result
         log.info("intake batch of %d events (%d to Postgres): %.1f ms checks, %.1f ms "
                  "transaction", len(batch), len(intents), (t1 - t0) * 1000,

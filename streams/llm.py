@@ -1,6 +1,9 @@
 """Stage ``llm``: ``job.chunks_ready`` (``job.chunks_ready.batch`` for the batch lane) -> one
 provider call per chunk, each attempt a ``provider_attempt`` row committed before the request
--> checkpoint ``llm`` -> ``job.llm_done``.
+-> checkpoint ``llm`` -> ``job.llm_done``. A job on the in-process ``local`` profile claims,
+answers and completes in ONE transaction, shared with other events of the agent (group commit,
+``llm_local_one_transaction``); a remote provider's job keeps its claim transaction, lease and
+shared limit.
 
 The attempt loop lives here: in-process attempts with full-jitter backoff honouring
 Retry-After, the job's budget (attempts per chunk, deadline, cost cap) checked before each,
@@ -338,6 +341,22 @@ def _work_local(ctx: StageContext, claim: Claim, profile: ModelProfile, prompt: 
             latency_ms=answer.latency_ms, prompt_tokens=answer.prompt_tokens,
             completion_tokens=answer.completion_tokens, cost_usd=price))
     return _result(ctx, chunks, profile, outputs, cost, attempts, tuple(answers))
+
+
+def one_transaction(ctx: StageContext, ev: Any) -> bool:
+    """Whether the stage may claim, answer and complete in ONE transaction (and share it with
+    other events: group commit): only the in-process model can (``llm_local_one_transaction``),
+    and the event does not say which profile its job uses, so the claim decides
+    (:func:`claim_in_one_transaction`)."""
+    return ctx.settings.llm_local_one_transaction
+
+
+def claim_in_one_transaction(ctx: StageContext, claim: Claim) -> bool:
+    """True for a job on the in-process model (no ``base_url``): its answers take
+    milliseconds of local CPU, so the run holds its transaction (and the job's row lock)
+    through them. A remote provider's job is False: its claim commits alone and the calls run
+    outside any transaction, with the lease heartbeat and the shared limit, as before."""
+    return get_profile(claim.job.model_profile).base_url is None
 
 
 def register(app: faust.App, ctx: StageContext) -> Any:

@@ -74,12 +74,13 @@ def register_stage(app: faust.App, ctx: StageContext, stage: Stage, *, lane: str
     ``concurrency``: events the agent holds at once. A stage whose module has
     ``one_transaction`` runs its events through a :class:`GroupCommit` (up to
     ``stage_batch_max`` per transaction), holding ``stage_concurrency`` events by default;
-    with ``stage_batch_max`` = 1, one event at a time, as before."""
+    with ``stage_batch_max`` = 1, one event at a time, as before. Its events that cannot
+    share a transaction run ``concurrency`` at once when it is given, else one at a time."""
     from streams.base import register_stage_agent  # faust: only the worker needs it
 
     s = ctx.settings
     module = module_of(stage.name)
-    runner = (GroupCommit(ctx, s.stage_batch_max).run
+    runner = (GroupCommit(ctx, s.stage_batch_max, alone=concurrency or 1).run
               if hasattr(module, "one_transaction") and s.stage_batch_max > 1 else None)
     return register_stage_agent(
         app, ctx, name=stage.name if lane is None else f"{stage.name}_{lane}",
@@ -125,12 +126,40 @@ class _Plan:
         """Run the stage's work on ``claim``; its completion arguments."""
         return self.completion(claim, self.module.work(self.ctx, claim, self.ev))
 
+    def one_transaction_work(self, claim: Claim) -> dict[str, Any]:
+        """:meth:`work_and_completion` inside a one-transaction attempt. Raises
+        :class:`TwoTransactions` when the stage module's ``claim_in_one_transaction(ctx,
+        claim)`` says this run must not hold the transaction open (the llm stage of a job on
+        a remote provider): the claim then commits alone."""
+        check = getattr(self.module, "claim_in_one_transaction", None)
+        if check is not None and not check(self.ctx, claim):
+            raise TwoTransactions(f"stage {claim.stage} of job {claim.job.job_id}: runs in "
+                                  "two transactions")
+        return self.work_and_completion(claim)
+
+
+class TwoTransactions(Exception):  # noqa: N818 - a signal between runner and store, not an error
+    """A one-transaction attempt found, once claimed, that the run needs a claim transaction
+    and a completion transaction (work outside any transaction, e.g. a remote provider call
+    with its lease and shared limit): the claim commits alone and :func:`run_stage` goes on
+    as for a two-transaction stage."""
+
+
+class _Deferred(Exception):  # noqa: N818 - carries a committed claim, not an error
+    """Raised by :func:`run_stage` called with ``defer=True`` (a :class:`GroupCommit`'s
+    drain) for a run that goes on in two transactions: ``first`` (the committed claim) is
+    handed back, so its slow work runs on a thread of its own, not in the drain."""
+
+    def __init__(self, plan: _Plan, first: Attempt) -> None:
+        super().__init__("two-transaction run deferred")
+        self.plan, self.first = plan, first
+
 
 Attempt = tuple[Claim | Skip | Done | LeaseHeld, Exception | None]
 
 
 def run_stage(ctx: StageContext, ev: Any, *, plan: _Plan | None = None,
-              first: Attempt | None = None) -> str:
+              first: Attempt | None = None, defer: bool = False) -> str:
     """Process one stage event end to end; returns what happened, for logs and tests:
     ``done``, ``reused`` (re-emitted a finished checkpoint after a redrive),
     ``skipped:<reason>``, ``failed:<error code>``, ``parked``, ``cancelled`` or ``stale``.
@@ -138,6 +167,10 @@ def run_stage(ctx: StageContext, ev: Any, *, plan: _Plan | None = None,
     ``first``: the outcome of a one-transaction attempt already made for this event (by
     :func:`run_stage_batch`, inside a shared transaction that has committed); the run goes on
     from there exactly as after its own :meth:`Store.claim_and_complete`.
+
+    ``defer``: a one-transaction attempt whose claim turned out to need two transactions
+    (:class:`TwoTransactions`) raises :class:`_Deferred` with its committed claim instead of
+    doing the work here (the caller runs it elsewhere with ``first``).
 
     Waits (sleeping) while another run holds a live lease; a lease that expires is taken over.
     Raises :class:`RetryableError` / :class:`OutcomeUnknown` for the caller to retry later.
@@ -150,7 +183,7 @@ def run_stage(ctx: StageContext, ev: Any, *, plan: _Plan | None = None,
         if first is not None:  # attempted in a shared transaction (run_stage_batch)
             (got, failure), first = first, None
         elif single:  # claim, work and complete in ONE transaction (a short, pure stage)
-            got, failure = ctx.store.claim_and_complete(p.work_and_completion, **claim_kw)
+            got, failure = ctx.store.claim_and_complete(p.one_transaction_work, **claim_kw)
         else:
             got = ctx.store.claim(**claim_kw)
         if isinstance(got, Skip):
@@ -172,6 +205,10 @@ def run_stage(ctx: StageContext, ev: Any, *, plan: _Plan | None = None,
             continue
         claim = got
         break
+    if single and isinstance(failure, TwoTransactions):  # the claim committed alone
+        if defer:
+            raise _Deferred(p, (claim, failure))
+        single, failure = False, None
     common["idempotency_key"] = claim.job.idempotency_key
     try:
         try:
@@ -226,7 +263,8 @@ def run_stage(ctx: StageContext, ev: Any, *, plan: _Plan | None = None,
         raise
 
 
-def run_stage_batch(ctx: StageContext, events: list[Any]) -> list[str | Exception]:
+def run_stage_batch(ctx: StageContext, events: list[Any], *, defer: bool = False
+                    ) -> list[str | Exception]:
     """Run several events (of one agent, taken while earlier ones were committing) as
     :func:`run_stage` would one by one, with ONE transaction for the claim, work and
     completion of all of them that qualify for one (:meth:`Store.claim_and_complete_many`):
@@ -236,9 +274,10 @@ def run_stage_batch(ctx: StageContext, events: list[Any]) -> list[str | Exceptio
     reports its error), so one failing event fails no other.
 
     Returns one entry per event, in order: :func:`run_stage`'s outcome or the exception it
-    raised (the caller routes it per event: retry, dead letter). Each event's work runs in
-    the ``contextvars`` context of its own message when ``events`` are ``(event, context)``
-    pairs (its log fields and trace span), else in the caller's.
+    raised (the caller routes it per event: retry, dead letter); with ``defer``, a
+    :class:`_Deferred` for a run whose claim needs two transactions (:func:`run_stage`).
+    Each event's work runs in the ``contextvars`` context of its own message when ``events``
+    are ``(event, context)`` pairs (its log fields and trace span), else in the caller's.
     """
     items: list[tuple[Any, contextvars.Context | None]] = [
         e if isinstance(e, tuple) else (e, None) for e in events]
@@ -260,7 +299,7 @@ def run_stage_batch(ctx: StageContext, events: list[Any]) -> list[str | Exceptio
 
             def run(conn: Any) -> Attempt:
                 call = functools.partial(ctx.store.claim_and_complete_in, conn,
-                                         plan.work_and_completion, **plan.claim_kw)
+                                         plan.one_transaction_work, **plan.claim_kw)
                 return cv.run(call) if cv else call()
             return run
         log.info("shared stage transaction: %d events of %s, jobs %s", len(shared),
@@ -279,7 +318,8 @@ def run_stage_batch(ctx: StageContext, events: list[Any]) -> list[str | Exceptio
         if isinstance(plan, Exception):
             out.append(plan)
             continue
-        call = functools.partial(run_stage, ctx, ev, plan=plan, first=firsts.get(i))
+        call = functools.partial(run_stage, ctx, ev, plan=plan, first=firsts.get(i),
+                                 defer=defer)
         try:
             out.append(cv.run(call) if cv else call())
         except Exception as exc:  # noqa: BLE001 - handed to the caller for this event
@@ -303,22 +343,26 @@ class GroupCommit:
 
     :meth:`run` is what the agent awaits per decoded event; it raises what :func:`run_stage`
     raises for that event. Events that cannot share a transaction (a PDF's extract) run on a
-    thread of their own, one at a time, as before.
+    thread of their own, ``alone`` at a time (1: as before); a run whose claim turns out to
+    need two transactions (:class:`TwoTransactions`, the llm stage of a remote provider's job)
+    has its claim committed in the shared transaction and its work run on a thread of its own,
+    so a provider call never holds up the drain.
     """
 
-    def __init__(self, ctx: StageContext, max_batch: int) -> None:
-        self.ctx, self.max_batch = ctx, max(1, max_batch)
+    def __init__(self, ctx: StageContext, max_batch: int, alone: int = 1) -> None:
+        self.ctx, self.max_batch, self.alone = ctx, max(1, max_batch), max(1, alone)
         self._queue: list[tuple[Any, contextvars.Context, asyncio.Future[str]]] = []
         self._draining = False
         self._task: asyncio.Task[None] | None = None  # the drain running (a strong reference)
         self._alone: asyncio.Semaphore | None = None
+        self._deferred: set[asyncio.Task[None]] = set()  # two-transaction runs (strong refs)
 
     async def run(self, ev: Any) -> str:
         """Run ``ev`` (a decoded stage event); returns :func:`run_stage`'s outcome."""
         if self.max_batch == 1 or not shares_transaction(self.ctx, ev):
             if self._alone is None:
-                self._alone = asyncio.Semaphore(1)
-            async with self._alone:  # one at a time, as before (a PDF's parser: memory)
+                self._alone = asyncio.Semaphore(self.alone)
+            async with self._alone:  # one at a time by default (a PDF's parser: memory)
                 return await asyncio.to_thread(run_stage, self.ctx, ev)
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._queue.append((ev, contextvars.copy_context(), fut))
@@ -326,6 +370,28 @@ class GroupCommit:
             self._draining = True
             self._task = asyncio.get_running_loop().create_task(self._drain())
         return await fut
+
+    def _later(self, ev: Any, cv: contextvars.Context, fut: asyncio.Future[str],
+               deferred: _Deferred) -> None:
+        """Finish a run whose claim committed alone (:class:`TwoTransactions`: e.g. a remote
+        provider's calls) on a thread of its own; ``fut`` gets its outcome. The agent's
+        ``concurrency`` still bounds how many run at once (each holds its event's slot)."""
+        async def finish() -> None:
+            try:
+                res = await asyncio.to_thread(
+                    cv.run, functools.partial(run_stage, self.ctx, ev, plan=deferred.plan,
+                                              first=deferred.first))
+                if not fut.done():
+                    fut.set_result(res)
+            except asyncio.CancelledError:
+                fut.cancel()
+                raise
+            except Exception as exc:  # noqa: BLE001 - routed by the agent, for this event
+                if not fut.done():
+                    fut.set_exception(exc)
+        task = asyncio.get_running_loop().create_task(finish())
+        self._deferred.add(task)
+        task.add_done_callback(self._deferred.discard)
 
     async def _drain(self) -> None:
         try:
@@ -337,13 +403,15 @@ class GroupCommit:
                     continue
                 try:
                     got = await asyncio.to_thread(run_stage_batch, self.ctx,
-                                                  [(ev, cv) for ev, cv, _ in batch])
+                                                  [(ev, cv) for ev, cv, _ in batch], defer=True)
                 except Exception as exc:  # noqa: BLE001 - a bug in the batching itself
                     got = [exc] * len(batch)
-                for (_, _, fut), res in zip(batch, got, strict=True):
+                for (ev, cv, fut), res in zip(batch, got, strict=True):
                     if fut.done():
                         continue
-                    if isinstance(res, Exception):
+                    if isinstance(res, _Deferred):  # its work must not hold up the drain
+                        self._later(ev, cv, fut, res)
+                    elif isinstance(res, Exception):
                         fut.set_exception(res)
                     else:
                         fut.set_result(res)

@@ -61,6 +61,10 @@ def words(text: str) -> list[str]:
     spaces between words, become overlapping character bigrams (a lone character stays)."""
     out: list[str] = []
     for tok in _TOKEN.findall(unicodedata.normalize("NFC", text)):
+        if tok.isascii():  # no Han/Kana in it: the common case, without the CJK scan
+            if len(tok) >= 3:
+                out.append(tok.lower())
+            continue
         pos = 0
         for m in _CJK.finditer(tok):
             rest = tok[pos:m.start()]
@@ -95,11 +99,14 @@ def analyse(text: str, max_keywords: int = 8, max_sentences: int = 2) -> dict[st
     """Extractive analysis of ``text`` (any script): title candidate, summary, keywords,
     counts, fields."""
     text = unicodedata.normalize("NFC", text)
-    freq = Counter(w for w in words(text) if _significant(w))
-    keywords = [w for w, _ in sorted(freq.items(), key=lambda kv: (-kv[1], kv[0]))[:max_keywords]]
     flat = " ".join(text.split())
-    # Each sentence's words once (they were computed twice: for the filter and the score).
-    scored = [(s, ws) for s in sentences(flat) if len(ws := words(s)) >= 4]
+    # Each sentence's words once: the text's words are its sentences' words in order (a word
+    # never spans whitespace or sentence-ending punctuation, where sentences are cut), so the
+    # frequencies come from the same lists as the scores (issue 12: one tokenising pass).
+    split = [(s, words(s)) for s in sentences(flat)]
+    freq = Counter(w for _, ws in split for w in ws if _significant(w))
+    keywords = [w for w, _ in sorted(freq.items(), key=lambda kv: (-kv[1], kv[0]))[:max_keywords]]
+    scored = [(s, ws) for s, ws in split if len(ws) >= 4]
     candidates = [s for s, _ in scored]
     scores = [sum(freq[w] for w in ws if w in freq) / (len(ws) + 5) for _, ws in scored]
     top = sorted(range(len(candidates)), key=lambda i: (-scores[i], i))[:max_sentences]

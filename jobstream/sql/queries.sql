@@ -220,8 +220,8 @@ UPDATE job SET sweeps = sweeps + 1, swept_at = now() WHERE job_id = %s;
 -- The claim's first read: the job row locked, and whether the idempotent consumer already
 -- processed this event (``processed``), in one round trip.
 SELECT j.*, EXISTS (SELECT 1 FROM processed_event p
-                     WHERE p.consumer_group = %(group)s AND p.dedup_key = %(dedup_key)s
-                       AND p.event_type = %(event_type)s) AS processed
+                     WHERE p.key_digest = processed_event_key(%(group)s, %(event_type)s,
+                                                              %(dedup_key)s)) AS processed
   FROM job j WHERE j.job_id = %(job_id)s FOR UPDATE OF j;
 
 -- name: job_provider_budget
@@ -239,30 +239,46 @@ SELECT coalesce(jsonb_object_agg(a.chunk_idx, a.n) FILTER (WHERE a.chunk_idx IS 
                sum(cost_usd) AS cost
           FROM provider_attempt WHERE job_id = %(job_id)s GROUP BY chunk_idx) a;
 
--- name: insert_succeeded_attempt
--- A chunk answered in-process (no remote provider), recorded with the stage's completion:
--- fenced by run token and generation like the checkpoint (no row back: fenced off).
-INSERT INTO provider_attempt (job_id, stage, chunk_idx, attempt, run_token, model_profile, model,
-                              outcome, latency_ms, prompt_tokens, completion_tokens, cost_usd,
-                              finished_at)
-SELECT j.job_id, %(stage)s, %(chunk_idx)s, %(attempt)s, %(run_token)s, %(model_profile)s,
-       %(model)s, 'succeeded', %(latency_ms)s, %(prompt_tokens)s, %(completion_tokens)s,
-       %(cost_usd)s, now()
-  FROM job j
- WHERE j.job_id = %(job_id)s AND j.generation = %(generation)s
-   AND EXISTS (SELECT 1 FROM job_stage s WHERE s.job_id = j.job_id AND s.stage = %(stage)s
-                AND s.run_token = %(run_token)s AND s.status = 'running')
-RETURNING attempt_id;
+-- name: record_local_answer
+-- insert_succeeded_attempt and save_chunk_output in one round trip (issue 12): the in-process
+-- model's answer of one chunk, recorded with the stage's completion, fenced by run token and
+-- generation (the attempt's INSERT) and kept only if the chunk has no output yet. No row back:
+-- fenced off, or the chunk was answered meanwhile (the caller raises StaleRun).
+WITH a AS (
+    INSERT INTO provider_attempt (job_id, stage, chunk_idx, attempt, run_token, model_profile,
+                                  model, outcome, latency_ms, prompt_tokens,
+                                  completion_tokens, cost_usd, finished_at)
+    SELECT j.job_id, %(stage)s, %(chunk_idx)s, %(attempt)s, %(run_token)s, %(model_profile)s,
+           %(model)s, 'succeeded', %(latency_ms)s, %(prompt_tokens)s, %(completion_tokens)s,
+           %(cost_usd)s, now()
+      FROM job j
+     WHERE j.job_id = %(job_id)s AND j.generation = %(generation)s
+       AND EXISTS (SELECT 1 FROM job_stage s WHERE s.job_id = j.job_id AND s.stage = %(stage)s
+                    AND s.run_token = %(run_token)s AND s.status = 'running')
+    RETURNING attempt_id, job_id)
+UPDATE chunk c SET llm_output = %(output)s, llm_attempt_id = a.attempt_id
+  FROM a
+ WHERE c.job_id = a.job_id AND c.idx = %(chunk_idx)s AND c.llm_output IS NULL
+RETURNING a.attempt_id;
 
--- name: complete_stage
--- Fenced completion: zero rows means a newer run owns the stage; its caller rolls back.
-UPDATE job_stage
-   SET status = 'succeeded', output = %(output)s, input_hash = %(input_hash)s,
-       code_version = %(code_version)s, cost_usd = %(cost_usd)s, emitted = %(emitted)s,
-       lease_until = NULL,
-       finished_at = now(), updated_at = now()
- WHERE job_id = %(job_id)s AND stage = %(stage)s AND run_token = %(run_token)s
-   AND status = 'running';
+-- name: complete_stage_advance_job
+-- complete_stage and advance_job in one round trip (issue 12: fewer statements per stage):
+-- the job advances only when the fenced completion updated the checkpoint; ``completed`` = 0
+-- means a newer run owns the stage (its caller raises StaleRun and rolls back).
+WITH done AS (
+    UPDATE job_stage
+       SET status = 'succeeded', output = %(output)s, input_hash = %(input_hash)s,
+           code_version = %(code_version)s, cost_usd = %(cost_usd)s, emitted = %(emitted)s,
+           lease_until = NULL, finished_at = now(), updated_at = now()
+     WHERE job_id = %(job_id)s AND stage = %(stage)s AND run_token = %(run_token)s
+       AND status = 'running'
+    RETURNING job_id),
+advanced AS (
+    UPDATE job SET status = 'running', current_stage = %(stage)s,
+                   cost_usd = cost_usd + %(cost_usd)s, updated_at = now()
+     WHERE job_id IN (SELECT job_id FROM done)
+       AND status NOT IN ('succeeded', 'failed', 'cancelled'))
+SELECT count(*)::int AS completed FROM done;
 
 -- name: fail_stage
 UPDATE job_stage
@@ -365,8 +381,10 @@ SELECT stage, status, code_version, emitted, lease_until FROM job_stage WHERE jo
 
 -- name: forget_processed
 -- A redrive makes the stage workers process the job's events again.
+-- Parameters: dedup key, groups, event types (every pair of a group and a type).
 DELETE FROM processed_event
- WHERE dedup_key = %s AND consumer_group = ANY(%s) AND event_type = ANY(%s);
+ WHERE key_digest IN (SELECT processed_event_key(g, t, %s)
+                        FROM unnest(%s::text[]) AS g, unnest(%s::text[]) AS t);
 
 -- name: reopen_stages
 -- A redrive fences the runs it replaces: a running stage is reset too, so the old run token
@@ -395,11 +413,6 @@ SELECT s.job_id, s.stage, s.run_token, s.attempt, s.lease_until FROM job_stage s
    AND s.lease_until < now() - make_interval(secs => %s * power(2, least(j.sweeps, 6)))
    AND j.status IN ('queued', 'running')
  ORDER BY s.lease_until LIMIT 100;
-
--- name: advance_job
-UPDATE job SET status = 'running', current_stage = %s, cost_usd = cost_usd + %s,
-               updated_at = now()
- WHERE job_id = %s AND status NOT IN ('succeeded', 'failed', 'cancelled');
 
 -- name: succeed_job
 UPDATE job SET status = 'succeeded', current_stage = 'publish', charge_usd = %s,
@@ -493,23 +506,31 @@ SELECT coalesce(sum(cost_usd), 0)::float8 AS cost_usd FROM provider_attempt WHER
 
 -- name: record_processed
 -- The idempotent-consumer row, in the same transaction as the effect. No row back = duplicate.
-INSERT INTO processed_event (consumer_group, dedup_key, event_type, event_id, job_id)
-VALUES (%s, %s, %s, %s, %s)
-ON CONFLICT (consumer_group, dedup_key, event_type) DO NOTHING
+-- Parameters: group, dedup key, event type, event id, job id; keyed by their 16-byte
+-- processed_event_key (migration 0026).
+INSERT INTO processed_event (key_digest, consumer_group, dedup_key, event_type, event_id, job_id)
+SELECT processed_event_key(v.g, v.t, v.k), v.g, v.k, v.t, v.e, v.j
+  FROM (VALUES (%s::text, %s::text, %s::text, %s::uuid, %s::uuid)) AS v(g, k, t, e, j)
+ON CONFLICT (key_digest) DO NOTHING
 RETURNING 1 AS inserted;
 
 -- name: record_processed_batch
 -- The idempotent-consumer rows of a batch (distinct keys), in the transaction of the batch's
 -- effects. Returns the keys that were new; the others are duplicates.
-INSERT INTO processed_event (consumer_group, dedup_key, event_type, event_id, job_id)
-SELECT %s, u.dedup_key, u.event_type, u.event_id, u.job_id
-  FROM unnest(%s::text[], %s::text[], %s::uuid[], %s::uuid[])
+INSERT INTO processed_event (key_digest, consumer_group, dedup_key, event_type, event_id, job_id)
+SELECT processed_event_key(g.g, u.event_type, u.dedup_key), g.g, u.dedup_key, u.event_type,
+       u.event_id, u.job_id
+  FROM (VALUES (%s::text)) AS g(g),
+       unnest(%s::text[], %s::text[], %s::uuid[], %s::uuid[])
        AS u(dedup_key, event_type, event_id, job_id)
-ON CONFLICT (consumer_group, dedup_key, event_type) DO NOTHING
+ON CONFLICT (key_digest) DO NOTHING
 RETURNING dedup_key, event_type;
 
 -- name: is_processed
-SELECT 1 FROM processed_event WHERE consumer_group = %s AND dedup_key = %s AND event_type = %s;
+-- Parameters: group, dedup key, event type.
+SELECT 1 FROM processed_event
+ WHERE key_digest = (SELECT processed_event_key(v.g, v.t, v.k)
+                       FROM (VALUES (%s::text, %s::text, %s::text)) AS v(g, k, t));
 
 -- ---------------------------------------------------------------- outbox
 
@@ -583,6 +604,11 @@ SELECT set_config('idle_session_timeout', %(ms)s, false),
 -- name: relay_touch
 -- The active relay's sign of life on its lock session (see relay_lock_session_timeout).
 SELECT 1 AS alive;
+
+-- name: relay_arm_notify
+-- The active relay arms (1) or disarms (0) the outbox trigger's NOTIFY (migration 0025): a
+-- sequence, so writers see it at once, whatever their snapshot.
+SELECT setval('outbox_relay_armed', %s, true) AS armed;
 
 -- name: relay_try_lock
 -- One active relay (others stand by): a session-level advisory lock held while relaying.
@@ -905,8 +931,8 @@ DELETE FROM outbox_published WHERE ctid IN (
 -- name: gc_processed_event
 -- Idempotent-consumer rows older than every redelivery window (checked against the topics'
 -- retention by the caller).
-DELETE FROM processed_event WHERE (consumer_group, dedup_key, event_type) IN (
-    SELECT consumer_group, dedup_key, event_type FROM processed_event
+DELETE FROM processed_event WHERE key_digest IN (
+    SELECT key_digest FROM processed_event
      WHERE processed_at < now() - make_interval(secs => %(horizon_s)s)
      ORDER BY processed_at LIMIT %(limit)s);
 

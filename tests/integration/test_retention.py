@@ -85,9 +85,10 @@ def test_gc_deletes_only_rows_past_their_horizon_and_keys_stay_bound(
 
         # Idempotent-consumer rows: one old, one fresh.
         for age, dk in ((OLD, "1" * 64), ("now()", "2" * 64)):
-            _sql(url, "INSERT INTO processed_event (consumer_group, dedup_key, event_type, "
-                      f"event_id, processed_at) VALUES ('g', %s, 'job.ready', %s, {age})",
-                 (dk, uuid.uuid4()))
+            _sql(url, "INSERT INTO processed_event (key_digest, consumer_group, dedup_key, "
+                      "event_type, event_id, processed_at) VALUES (processed_event_key('g', "
+                      f"'job.ready', %s), 'g', %s, 'job.ready', %s, {age})",
+                 (dk, dk, uuid.uuid4()))
 
         # Topics keep messages 7 days (broker default): a 1 h horizon is refused for
         # processed_event; the others go.

@@ -347,9 +347,11 @@ def test_the_claim_checks_the_generation_before_the_duplicate(job) -> None:
     # A processed row for this stage's input exists (as a stale run would have left it): the
     # generation-0 event is superseded, not a duplicate; the new one is a duplicate.
     with connect(url) as conn:
-        conn.execute("INSERT INTO processed_event (consumer_group, dedup_key, event_type, "
-                     "event_id, job_id) VALUES (%s, %s, %s, %s, %s)",
-                     (GROUP, ev.dedup_key, ev.event_type, ev.event_id, ev.job_id))
+        conn.execute("INSERT INTO processed_event (key_digest, consumer_group, dedup_key, "
+                     "event_type, event_id, job_id) VALUES (processed_event_key(%s, %s, %s), "
+                     "%s, %s, %s, %s, %s)",
+                     (GROUP, ev.event_type, ev.dedup_key,
+                      GROUP, ev.dedup_key, ev.event_type, ev.event_id, ev.job_id))
     assert _claim(ctx, ev) == Skip("superseded")
     [ev1] = _events(ctx.settings, "job.chunks_ready")[1:]
     assert _claim(ctx, ev1) == Skip("duplicate")

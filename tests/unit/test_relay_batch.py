@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from confluent_kafka import KafkaError
+from confluent_kafka import KafkaError, KafkaException
 
 from jobstream.db import QUERIES as Q
 from jobstream.settings import Settings
@@ -68,6 +68,10 @@ class FakeProducer:
 
     def poll(self, _t: float) -> int:
         return 0
+
+    def list_topics(self, timeout: float) -> Any:
+        """The relay asks whether a failed row's topic exists: no answer (not missing)."""
+        raise KafkaException(KafkaError(KafkaError._TRANSPORT))
 
     def flush(self, _t: float) -> int:
         for key, cb in self._cbs:

@@ -145,3 +145,20 @@ def test_local_model_keeps_words_of_every_script() -> None:
     assert sentences("Le chat dort. e.g. this stays. Fin.") == ["Le chat dort. e.g. this stays.",
                                                                "Fin."]
     assert len(sentences(arabic)) == 4
+
+
+@pytest.mark.parametrize("text", [
+    "Le chat dort. e.g. this stays. Fin.\n\nAnother  paragraph\twith  tabs!  Done?",
+    "機械学習は人工知能の一分野です。機械学習はデータから学習します。ABCは英語です",
+    "يعتبر الذكاء الاصطناعي مجالا مهما. الذكاء الاصطناعي يغير العالم؟ نعم",
+    "cafe\u0301 crème. Straße\u2028zum «Café». Don't stop—well-known co-op's 2nd try.",
+    "Version 2.1 (2007). See https://example.org/x. Mail a@b.org!",
+    "",
+])
+def test_the_words_of_a_text_are_its_sentences_words_in_order(text: str) -> None:
+    """The local model counts keyword frequencies from its sentences' words (one tokenising
+    pass, issue 12): that is the same as the text's words only while no word spans a sentence
+    cut; a change to the word or sentence patterns that breaks it fails here."""
+    from jobstream.llm.local import sentences, words
+    flat = " ".join(text.split())
+    assert [w for s in sentences(flat) for w in words(s)] == words(text)

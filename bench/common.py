@@ -35,6 +35,17 @@ from jobstream.settings import Settings
 ROOT = Path(__file__).resolve().parents[1]
 
 
+class _DefaultsHelp(argparse.HelpFormatter):
+    """``--help`` shows each option's default unless it is None or the help text names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.default not in (None, argparse.SUPPRESS, False)
+                and "default" not in text and action.option_strings):
+            text += " (default: %(default)s)"
+        return text
+
+
 def base_parser(doc: str | None) -> argparse.ArgumentParser:
     """Arguments every benchmark takes: services, partitions, plot file.
 
@@ -43,18 +54,21 @@ def base_parser(doc: str | None) -> argparse.ArgumentParser:
     """
     first = " ".join((doc or "").split("\n\n", 1)[0].split())
     p = argparse.ArgumentParser(
-        description=first,
+        description=first, formatter_class=_DefaultsHelp,
         epilog="Prints one JSON object on stdout (progress on stderr); bench/README.md says "
                "what each figure means.")
     p.add_argument("--database-url", default=os.environ.get(
         "JOBSTREAM_DATABASE_URL", os.environ.get("DATABASE_URL", Settings().database_url)),
-        help="server to create the run's database on (default: settings)")
+        help="server to create the run's database on (default: JOBSTREAM_DATABASE_URL, "
+             "DATABASE_URL, else the local services; not echoed here: it may hold a password)")
     p.add_argument("--kafka", default=os.environ.get(
         "JOBSTREAM_KAFKA_BOOTSTRAP_SERVERS",
         os.environ.get("KAFKA_BOOTSTRAP_SERVERS", Settings().kafka_bootstrap_servers)),
-        help="Kafka bootstrap servers (default: settings)")
+        help="Kafka bootstrap servers (default: JOBSTREAM_KAFKA_BOOTSTRAP_SERVERS, "
+             "KAFKA_BOOTSTRAP_SERVERS, else 127.0.0.1:9092; now %(default)s)")
     p.add_argument("--partitions", type=int, default=6, help="partitions per topic")
-    p.add_argument("--plot", metavar="PNG", help="also write a plot (needs matplotlib)")
+    p.add_argument("--plot", metavar="PNG", type=_plot_path,
+                   help="also write a plot (needs matplotlib: bash scripts/venv.sh --extra bench)")
     return p
 
 
@@ -199,12 +213,23 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def _plot_path(path: str) -> str:
+    """``--plot`` value: checked when the arguments are parsed, so a run without matplotlib
+    is refused before it measures anything instead of losing its JSON at the end."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise argparse.ArgumentTypeError(
+            "needs matplotlib: bash scripts/venv.sh --extra bench") from None
+    return path
+
+
 def pyplot() -> Any:
     """matplotlib.pyplot on the Agg backend; SystemExit with a hint when not installed."""
     try:
         import matplotlib
     except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install '.[bench]'") from None
+        raise SystemExit("--plot needs matplotlib: bash scripts/venv.sh --extra bench") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt

@@ -17,7 +17,11 @@ Reported:
   claim transaction, and the wait behind earlier jobs of the burst) and ``work`` (claimed ->
   the completion transaction began); ``hops_idle``: the same for ``--idle-jobs`` jobs sent
   one at a time on an idle pipeline (no queueing), and ``idle_intake_to_applied_ms``: per such
-  job, the intake commit (``job.created_at``) -> its ``job.ready`` applied downstream;
+  job, the intake commit (``job.created_at``) -> its ``job.ready`` applied downstream; the
+  idle hops are also split at the broker's append time (``to_kafka_ms`` / ``from_kafka_ms``);
+* ``submit_to_intake_commit_ms`` of the burst, with ``submit_produce_ms`` and
+  ``submit_to_intake_split`` (submit -> appended by the broker -> intake). Every submit of a
+  run uses one producer kept for the run (``--cold-producer``: a new one for the burst);
 * ``where_the_time_goes``: Postgres transactions per job (``pg_stat_database.xact_commit``
   of the run's database), Kafka messages per job, and the CPU milliseconds per job of each of
   our processes (workers, relay, downstream), of all Postgres processes, of the Kafka broker
@@ -45,6 +49,7 @@ from pathlib import Path
 from tempfile import mkdtemp
 from typing import Any
 
+from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
 from bench.common import (
@@ -61,8 +66,8 @@ from bench.common import (
     stop,
 )
 from jobstream.db import connect
-from jobstream.kafka import base_config
-from jobstream.producer import submit
+from jobstream.kafka import base_config, read_to_end
+from jobstream.producer import submit, submit_producer
 from jobstream.settings import Settings
 from schemas.events import DocumentRef, DocumentUploaded, DocumentUploadedPayload
 from schemas.pipeline import PIPELINE
@@ -285,26 +290,71 @@ def stop_profiler(proc: subprocess.Popen[bytes] | None, out: Path, top: int = 25
             "inclusive_pct": {k: pct_of(v) for k, v in incl.most_common(top)}}
 
 
-def run_idle_jobs(s: Settings, args: Any) -> dict[str, Any]:
-    """``--idle-jobs`` jobs, one at a time on the idle pipeline: per job the intake commit ->
-    ``job.ready`` applied (ms), and the per-hop legs."""
+def run_idle_jobs(s: Settings, args: Any, producer: Producer) -> dict[str, Any]:
+    """``--idle-jobs`` jobs, one at a time on the idle pipeline (sent by ``producer``): per job
+    the intake commit -> ``job.ready`` applied (ms), and the per-hop legs."""
     for i, doc in enumerate(documents(args.idle_jobs, args.doc_bytes, "idle")):
-        submit(s, [doc])
+        submit(s, [doc], producer=producer)
         wait_applied(s.database_url, "idle", i + 1, 120)
         time.sleep(0.2)  # let the relay and the agents go back to waiting
     with connect(s.database_url, autocommit=True) as conn:
         ms = [float(r["ms"]) for r in conn.execute(
             "SELECT extract(epoch FROM a.applied_at - j.created_at) * 1000 AS ms FROM job j "
             "JOIN downstream.document_analysis a USING (job_id) WHERE j.tenant_id = 'idle'")]
-    hops = hop_breakdown(s.database_url, "idle")
+    hops = hop_breakdown(s.database_url, "idle", appended_at(s))
     hops.pop("_intake_created")
     return {"intake_to_applied_ms": latency_summary(ms), "hops": hops}
 
 
-def hop_breakdown(url: str, tenant: str) -> dict[str, Any]:
-    """Per event of the chain: relay, pickup and work legs (ms), medians and p90."""
+def appended_at(s: Settings) -> dict[tuple[str, str], float]:
+    """(job id, event type) -> the broker's append time (epoch seconds) of every chain event
+    in Kafka so far: the topics are created with ``LogAppendTime`` (bench.common), so a
+    message's timestamp is when it reached the broker."""
+    import json
+    out: dict[tuple[str, str], float] = {}
+    topics = [s.topic(t) for t in PIPELINE.topics() if t != "document.uploaded"]
+    for m in read_to_end(s, topics, timeout_s=60):
+        key, value = m.key(), m.value()
+        if key is None or value is None:
+            continue
+        out[(key.decode(), json.loads(value)["event_type"])] = m.timestamp()[1] / 1000
+    return out
+
+
+def burst_intake_split(s: Settings, tenant: str, t0: float) -> dict[str, Any]:
+    """The burst's submit -> intake split at the broker's append time of each
+    ``document.uploaded`` (``LogAppendTime``, matched to its job by idempotency key):
+    ``submit_to_kafka_ms`` (t0 -> appended: encoding, the producer's batching and request)
+    and ``kafka_to_intake_ms`` (appended -> the intake transaction's ``now()``: the workers'
+    fetch, faust, decode, the batcher's wait and the batches before it)."""
+    with connect(s.database_url, autocommit=True) as conn:
+        created = {r["k"]: float(r["c"]) for r in conn.execute(
+            "SELECT idempotency_key AS k, extract(epoch FROM created_at) AS c FROM job "
+            "WHERE tenant_id = %s", (tenant,))}
+    to_kafka, from_kafka = [], []
+    for m in read_to_end(s, [s.topic("document.uploaded")], timeout_s=60):
+        key = (m.key() or b"").decode()
+        if key in created:
+            at = m.timestamp()[1] / 1000
+            to_kafka.append((at - t0) * 1000)
+            from_kafka.append((created[key] - at) * 1000)
+    return {"submit_to_kafka_ms": latency_summary(to_kafka),
+            "kafka_to_intake_ms": latency_summary(from_kafka)}
+
+
+def hop_breakdown(url: str, tenant: str,
+                  appended: dict[tuple[str, str], float] | None = None) -> dict[str, Any]:
+    """Per event of the chain: relay, pickup and work legs (ms), medians and p90. With
+    ``appended`` (:func:`appended_at`), also the same hop split at the broker's append time:
+    ``to_kafka_ms`` (outbox row written -> appended: the writing transaction's commit, the
+    relay's wake-up, fetch and linger, the produce request) and ``from_kafka_ms`` (appended
+    -> the next stage claimed it, or ``job.ready`` applied: the consumer's fetch, faust,
+    decode, the claim). ``relay_ms`` ends at the relay's handling of the broker's ack, which
+    can come after the next stage's claim (a negative ``pickup_ms``)."""
     q = """
-    SELECT o.event_type,
+    SELECT o.event_type, j.job_id::text AS job_id,
+           extract(epoch FROM o.created_at) AS written,
+           extract(epoch FROM coalesce(s.started_at, a.applied_at)) AS picked,
            extract(epoch FROM o.published_at - o.created_at) * 1000 AS relay_ms,
            extract(epoch FROM coalesce(s.started_at, a.applied_at) - o.published_at) * 1000
                AS pickup_ms,
@@ -318,9 +368,15 @@ def hop_breakdown(url: str, tenant: str) -> dict[str, Any]:
     with connect(url, autocommit=True) as conn:
         for ev in CHAIN:
             rows = conn.execute(q, (NEXT_STAGE.get(ev, "none"), ev, tenant, ev)).fetchall()
+            if appended is not None:
+                for r in rows:
+                    at = appended.get((r["job_id"], ev))
+                    r["to_kafka_ms"] = None if at is None else (at - float(r["written"])) * 1000
+                    r["from_kafka_ms"] = (None if at is None or r["picked"] is None
+                                          else (float(r["picked"]) - at) * 1000)
             legs: dict[str, Any] = {}
-            for leg in ("relay_ms", "pickup_ms", "work_ms"):
-                vals = [float(r[leg]) for r in rows if r[leg] is not None]
+            for leg in ("relay_ms", "pickup_ms", "work_ms", "to_kafka_ms", "from_kafka_ms"):
+                vals = [float(r[leg]) for r in rows if r.get(leg) is not None]
                 if vals:
                     legs[leg] = {"p50": round(pct(vals, 50) or 0, 1),
                                  "p90": round(pct(vals, 90) or 0, 1)}
@@ -341,14 +397,19 @@ def run_workers(args: Any, workers: int, relays: int = 1) -> dict[str, Any]:
             procs["relay" if i == 0 else f"relay{i}"] = start_cli(s, logdir, f"relay{i}",
                                                                    "relay")
         for i in range(workers):
-            procs[f"worker{i}"] = start_cli(s, logdir, f"worker{i}", "worker")
+            procs[f"worker{i}"] = start_cli(s, logdir, f"worker{i}", "worker",
+                                            log_level=args.worker_log_level)
         profiles: dict[str, Any] = {}
         try:
             waited = wait_group_stable(s, s.group("jobstream-streams"), workers, 180)
             log(f"{workers} worker(s): group stable after {waited:.1f}s; warming up")
-            submit(s, documents(2, args.doc_bytes, "warmup"))
+            # One producer for the whole run, as a submitting service keeps one: a new
+            # idempotent producer's first send waits ~0.5 s for its producer ID (see
+            # jobstream.producer.produce_raw), which is not the pipeline's latency.
+            producer = submit_producer(s)
+            submit(s, documents(2, args.doc_bytes, "warmup"), producer=producer)
             wait_applied(s.database_url, "warmup", 2, 120)
-            idle = run_idle_jobs(s, args) if args.idle_jobs else None
+            idle = run_idle_jobs(s, args, producer) if args.idle_jobs else None
             tenant = "bench"
             docs = documents(args.jobs, args.doc_bytes, tenant)
             with_statements = statements_available(s.database_url)
@@ -363,7 +424,8 @@ def run_workers(args: Any, workers: int, relays: int = 1) -> dict[str, Any]:
             x0 = xact_commits(s.database_url)
             log(f"{workers} worker(s): submitting {args.jobs} documents")
             t0 = time.time()
-            submit(s, docs)
+            submit(s, docs, producer=None if args.cold_producer else producer)
+            submit_s = time.time() - t0
             wait_applied(s.database_url, tenant, args.jobs, args.timeout)
             x1 = xact_commits(s.database_url)
             cpu1 = {k: cpu_seconds(p.pid) for k, p in procs.items()}
@@ -393,6 +455,7 @@ def run_workers(args: Any, workers: int, relays: int = 1) -> dict[str, Any]:
             assert r is not None and kafka_msgs is not None
             hops = hop_breakdown(s.database_url, tenant)
             intake_ms = [(c - t0) * 1000 for c in hops.pop("_intake_created")]
+            intake_split = burst_intake_split(s, tenant, t0)
         finally:
             stop(list(procs.values()))
     n = args.jobs
@@ -411,6 +474,8 @@ def run_workers(args: Any, workers: int, relays: int = 1) -> dict[str, Any]:
         "jobs_per_s_to_succeeded": round(n / (float(r["finished"]) - t0), 1),
         "end_to_end_ms": latency_summary(e2e),
         "submit_to_intake_commit_ms": latency_summary(intake_ms),
+        "submit_produce_ms": round(submit_s * 1000, 1),
+        "submit_to_intake_split": intake_split,
         "hops": hops,
         "idle": idle,
         "where_the_time_goes": {
@@ -502,6 +567,12 @@ def main() -> None:
                    help="py-spy worker0 and the relay during the burst; stacks to DIR")
     p.add_argument("--doc-bytes", type=int, default=3000,
                    help="document size (bytes); 4000 characters make one chunk")
+    p.add_argument("--cold-producer", action="store_true",
+                   help="submit the burst with a new producer (as before issue 12's latency "
+                        "part: its first send waits ~0.5 s for the producer ID)")
+    p.add_argument("--worker-log-level", default="warning",
+                   help="the workers' --log-level (info: a line per intake batch, in the "
+                        "run's log directory)")
     p.add_argument("--timeout", type=float, default=900.0, help="max seconds per run")
     args = p.parse_args()
     result: dict[str, Any] = {"benchmark": "pipeline", "machine": machine(),

@@ -526,7 +526,8 @@ def raw_produce(settings: Settings, topic: str,
                 rate: float | None = None) -> dict[str, Any]:
     """Send ``msgs`` with a plain producer (the relay's config); paced at ``rate`` events/s
     if given. Returns the elapsed time and the produce() call time of each event id."""
-    p = Producer(producer_config(settings, **{"client.id": "bench-raw"}))
+    p = Producer(producer_config(settings, **{"client.id": "bench-raw",
+                                              "linger.ms": settings.relay_linger_ms}))
     p.list_topics(topic, timeout=10)  # connection + metadata before the clock starts
     # ... and the idempotent producer's id: the relay has it long before it is measured. The
     # warm-up message has no event_id header, so the collectors ignore it.

@@ -36,10 +36,13 @@ def read_headers(msg: Message) -> list[tuple[str, bytes | None]]:
 
 
 def dlq_headers(reason_code: str, reason: str, topic: str, partition: int,
-                offset: int) -> dict[str, bytes]:
+                offset: int, group: str) -> dict[str, bytes]:
     """Headers of a dead-lettered message: the reason (``dlq_reason_code``, ``dlq_reason``,
-    at most 2000 characters) and where it came from (original topic, partition, offset)."""
+    at most 2000 characters), where it came from (original topic, partition, offset) and which
+    consumer group dead-lettered it (``dlq_consumer_group``: with several groups on one topic,
+    one bad message is dead-lettered once per group)."""
     return {
+        "dlq_consumer_group": group.encode(),
         "dlq_reason_code": reason_code.encode(),
         "dlq_reason": reason[:2000].encode(),
         "dlq_original_topic": topic.encode(),

@@ -237,7 +237,8 @@ class DeadLetterSink:
         reason = safe_text(reason)
         kept = [(k, v) for k, v in headers if not k.startswith("dlq_")]
         dlq_topic = topic + DLQ_SUFFIX
-        hdrs = kept + list(dlq_headers(code, reason, topic, partition, offset).items())
+        hdrs = kept + list(dlq_headers(code, reason, topic, partition, offset,
+                                           self.group).items())
         if consumed_topic and consumed_topic != topic:  # read from the .retry twin
             hdrs.append((CONSUMED_TOPIC_HEADER, consumed_topic.encode()))
         why = self._produce(dlq_topic, key, value, hdrs)

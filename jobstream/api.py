@@ -172,7 +172,8 @@ class JobView(BaseModel):
     pipeline: str
     prompt_version: str
     model_profile: str
-    stage_runs: int = Field(description="Stage runs over all stages (retries included).")
+    stage_runs: int = Field(description="Stage runs over the stages after intake (retries "
+                            "included; intake is the acceptance itself, not a run).")
     provider_attempts: list[AttemptView]
     cost_so_far_usd: float = Field(description="Provider cost of every attempt so far (USD).")
     charge_usd: float = Field(description="What the client is charged: per accepted job (USD).")

@@ -160,7 +160,8 @@ def demo(tenant: str | None, timeout_s: float, no_services: bool) -> None:
 @main.command()
 @click.argument("action", type=click.Choice(["up", "down", "status", "env"]))
 def services(action: str) -> None:
-    """Install/start (up), stop (down) or check (status) local Kafka (KRaft) + PostgreSQL.
+    """Install/start (up), stop (down) or check (status) local Kafka (KRaft) + PostgreSQL;
+    env prints their addresses as shell exports.
 
     Everything lives under ./.local; services that already answer are reused.
     """
@@ -180,9 +181,11 @@ def migrate_cmd() -> None:
 @main.command()
 def topics() -> None:
     """Create the pipeline topics and their .retry/.dlq twins (partitions from settings)."""
-    from jobstream.kafka import ensure_topics
+    from jobstream.kafka import all_topics, ensure_topics
     created = ensure_topics(get_settings())
-    click.echo(f"created {len(created)} topics" + (": " + ", ".join(created) if created else ""))
+    existed = len(all_topics(get_settings())) - len(created)
+    click.echo(f"created {len(created)} topics" + (": " + ", ".join(created) if created else "")
+               + (f"; {existed} already existed" if existed else ""))
 
 
 @main.command()
@@ -820,7 +823,8 @@ def dlq_list(topic: str | None, limit: int, as_json: bool) -> None:
                   else f"{short(r['dlq_topic'])}[{r['partition']}]@{r['offset']}",
                   r["dlq_reason_code"] or "?", (r["dlq_reason"] or "")[:160],
                   f"{short(r['original_topic'])}[{r['original_partition']}]"
-                  f"@{r['original_offset']}",
+                  f"@{r['original_offset']}"
+                  + (f" by {r['consumer_group']}" if r.get("consumer_group") else ""),
                   r["key"] or "", (r["value_head"] or "")[:48])
     Console().print(t)
 
@@ -830,12 +834,16 @@ def dlq_list(topic: str | None, limit: int, as_json: bool) -> None:
               help="Replay <LOGICAL_TOPIC>.dlq back to LOGICAL_TOPIC, e.g. document.uploaded.")
 @click.option("--reason-code", "reason_codes", multiple=True, metavar="CODE",
               help="Replay only messages with this dlq_reason_code (repeatable; default: all).")
+@click.option("--group", "groups", multiple=True, metavar="GROUP",
+              help="Replay only what this consumer group dead-lettered (header "
+                   "dlq_consumer_group; repeatable; default: all). With several groups on a "
+                   "topic each dead-letters a bad message once: one copy reaches them all.")
 @click.option("--limit", type=click.IntRange(min=1), help="Replay at most N messages.")
 @click.option("--dry-run", is_flag=True,
               help="Show what would be replayed; produce, record and commit nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def dlq_replay(topic: str, reason_codes: tuple[str, ...], limit: int | None, dry_run: bool,
-               as_json: bool) -> None:
+def dlq_replay(topic: str, reason_codes: tuple[str, ...], groups: tuple[str, ...],
+               limit: int | None, dry_run: bool, as_json: bool) -> None:
     """Re-produce dead-lettered messages (original key and bytes) to their original topic.
 
     Each copy goes to its original topic and partition through an idempotent producer, with the
@@ -846,8 +854,8 @@ def dlq_replay(topic: str, reason_codes: tuple[str, ...], limit: int | None, dry
     replays that message once more on the next run; the consumers' idempotency records
     absorb the copy.)
 
-    Messages left out by --reason-code or --limit stay replayable by a later run. The consumer
-    group <prefix>jobstream-dlq-replay commits, per DLQ partition, the first offset not yet
+    Messages left out by --reason-code, --group or --limit stay replayable by a later run. The
+    consumer group <prefix>jobstream-dlq-replay commits, per DLQ partition, the first offset not yet
     replayed (after the produce was acknowledged); later runs start reading there. One replay
     per DLQ topic runs at a time. Then the topic's rows of the Postgres dead_letter table not
     replayed yet are re-produced the same way (header dlq_replayed_from=dead_letter:<id>) and
@@ -860,7 +868,7 @@ def dlq_replay(topic: str, reason_codes: tuple[str, ...], limit: int | None, dry
     _logical_topic(topic)
     try:
         report = dlq_mod.replay(get_settings(), topic, reason_codes=reason_codes, limit=limit,
-                                dry_run=dry_run)
+                                dry_run=dry_run, groups=groups)
     except (JobstreamError, ValueError) as exc:
         _fail(exc)
     if as_json:
@@ -896,7 +904,7 @@ def dlq_replay(topic: str, reason_codes: tuple[str, ...], limit: int | None, dry
 def chaos(points: str | None, jobs: int, keep: bool, mode: str) -> None:
     """Crash matrix: per fault point, SIGKILL the owning process there, restart it, and check
     the exactly-once invariants (Postgres, topics, the fake provider's call counts). With
-    ``--mode pause`` the pause matrix: the process freezes there past its lease, resumes, and
+    --mode pause the pause matrix: the process freezes there past its lease, resumes, and
     its stale work must be discarded.
 
     Each point runs in a scratch database and topic prefix on the configured servers, with a

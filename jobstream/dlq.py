@@ -148,6 +148,12 @@ class DeadLetter:
         return self._int_header("dlq_original_offset")
 
     @property
+    def consumer_group(self) -> str | None:
+        """``dlq_consumer_group``: the consumer group that dead-lettered it (``None`` for dead
+        letters written before the header existed)."""
+        return self.header("dlq_consumer_group")
+
+    @property
     def stored_as(self) -> str | None:
         """``dead_letter:<id>`` when this DLQ message is only a reference record: the original
         did not fit the DLQ and is kept in the Postgres ``dead_letter`` table."""
@@ -164,6 +170,7 @@ class DeadLetter:
             "offset": self.offset,
             "timestamp_ms": self.timestamp_ms,
             "dlq_reason_code": self.reason_code, "dlq_reason": self.reason,
+            "consumer_group": self.consumer_group,
             "original_topic": self.original_topic,
             "consumed_topic": self.header(CONSUMED_TOPIC_HEADER) or self.original_topic,
             "original_partition": self.original_partition,
@@ -336,6 +343,7 @@ def stored_to_dict(row: dict[str, Any], head_bytes: int = 64) -> dict[str, Any]:
         "stored_by": row["source"], "dlq_topic": None, "partition": None, "offset": None,
         "timestamp_ms": int(row["created_at"].timestamp() * 1000),
         "dlq_reason_code": row["reason_code"], "dlq_reason": row["reason"],
+        "consumer_group": row["consumer_group"] or None,
         "original_topic": row["topic"], "consumed_topic": row["consumed_topic"] or row["topic"],
         "original_partition": row["kafka_partition"], "original_offset": row["kafka_offset"],
         "headers": {k: None if v is None else bytes(v).decode("utf-8", "backslashreplace")
@@ -475,13 +483,14 @@ class _Replayer:
 
     def __init__(self, settings: Settings, conn: Conn, report: ReplayReport, *,
                  source_partitions: int, done: dict[int, set[int]], reason_codes: set[str],
-                 limit: int | None) -> None:
+                 limit: int | None, groups: set[str] | None = None) -> None:
         self.settings = settings
         self.conn = conn
         self.report = report
         self.source_partitions = source_partitions
         self.done = done  # DLQ partition -> offsets recorded in dlq_replay before this run
         self.reason_codes = reason_codes
+        self.groups = groups or set()
         self.limit = limit
         #: DLQ partition -> offsets read and not replayed (yet): they hold the resume point.
         self.pending: dict[int, set[int]] = {}
@@ -504,7 +513,8 @@ class _Replayer:
             r.references += 1
             self.pending[dl.partition].discard(dl.offset)
             return True
-        if self.reason_codes and dl.reason_code not in self.reason_codes:
+        if ((self.reason_codes and dl.reason_code not in self.reason_codes)
+                or (self.groups and dl.consumer_group not in self.groups)):
             r.skipped += 1
             return True
         why = unreplayable_reason(dl, r.original_topic)
@@ -585,12 +595,16 @@ class _Replayer:
 
 
 def replay(settings: Settings, topic: str, *, reason_codes: Sequence[str] = (),
-           limit: int | None = None, dry_run: bool = False) -> ReplayReport:
+           limit: int | None = None, dry_run: bool = False,
+           groups: Sequence[str] = ()) -> ReplayReport:
     """Replay the dead-lettered messages of logical ``topic`` (``<topic>.dlq`` ->
     ``<topic>``); the module docstring describes the bookkeeping.
 
     ``reason_codes``: replay only messages whose ``dlq_reason_code`` is one of these (empty:
-    all). ``limit``: replay at most this many. ``dry_run``: report what would be replayed;
+    all). ``groups``: replay only what these consumer groups dead-lettered
+    (``dlq_consumer_group``; with several groups on a topic, a bad message is dead-lettered
+    once per group, and one copy replayed reaches every group again). ``limit``: replay at most
+    this many. ``dry_run``: report what would be replayed;
     nothing is produced, recorded or committed (and no lock is taken).
 
     Each message is re-produced with its original key and value bytes to its original partition
@@ -631,7 +645,8 @@ def replay(settings: Settings, topic: str, *, reason_codes: Sequence[str] = (),
                         Q["dlq_replayed_offsets"], (dlq_topic, p, starts[p], ends[p]))}
                     for p in parts}
             run = _Replayer(settings, conn, report, source_partitions=source_partitions,
-                            done=done, reason_codes=set(reason_codes), limit=limit)
+                            done=done, reason_codes=set(reason_codes), limit=limit,
+                            groups=set(groups))
             read_to = dict(starts)
             with closing(_read(consumer, dlq_topic, starts, ends)) as messages:
                 for dl in messages:
@@ -645,12 +660,13 @@ def replay(settings: Settings, topic: str, *, reason_codes: Sequence[str] = (),
             consumer.close()
         if not report.limit_reached:
             _replay_stored(settings, conn, report, source_partitions=source_partitions,
-                           reason_codes=set(reason_codes), limit=limit)
+                           reason_codes=set(reason_codes), limit=limit, groups=set(groups))
     return report
 
 
 def _replay_stored(settings: Settings, conn: Conn, report: ReplayReport, *,
-                   source_partitions: int, reason_codes: set[str], limit: int | None) -> None:
+                   source_partitions: int, reason_codes: set[str], limit: int | None,
+                   groups: set[str] | None = None) -> None:
     """Replay the ``dead_letter`` rows of the report's topic not replayed yet: re-produce the
     original key, value and headers (plus ``dlq_replayed_from=dead_letter:<id>``), then mark
     the row replayed. Rows parked by the relay go to their topic as they are (and fail again
@@ -661,7 +677,8 @@ def _replay_stored(settings: Settings, conn: Conn, report: ReplayReport, *,
     for r in rows:
         if r["replayed_at"] is not None:
             report.already_replayed += 1
-        elif reason_codes and r["reason_code"] not in reason_codes:
+        elif ((reason_codes and r["reason_code"] not in reason_codes)
+              or (groups and r["consumer_group"] not in groups)):
             report.skipped += 1
         elif limit is not None and len(report.replayed) + len(report.failed) + len(todo) >= limit:
             report.limit_reached = True

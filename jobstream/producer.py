@@ -40,14 +40,33 @@ def uploaded_event(path: Path, *, tenant_id: str, idempotency_key: str, settings
             model_profile=model_profile or settings.model_profile, lane=lane))
 
 
+#: linger.ms of the submitting producer (milliseconds): :func:`produce_raw` ends with
+#: ``flush()``, which sends what the linger holds at once, so a long linger delays nothing; it
+#: only lets a burst go in full produce requests (one per partition and ``batch.size``) rather
+#: than one per 5 ms of a produce loop slowed by a busy machine (bench/README.md, Latency).
+SUBMIT_LINGER_MS = 1000
+
+
+def submit_producer(settings: Settings) -> Producer:
+    """A producer for :func:`submit` / :func:`produce_raw` to keep and reuse: idempotent
+    (:func:`producer_config`), with a linger of :data:`SUBMIT_LINGER_MS`."""
+    return Producer(producer_config(settings, **{"linger.ms": SUBMIT_LINGER_MS}))
+
+
 def produce_raw(settings: Settings, topic: str, values: list[tuple[bytes | None, bytes | None]],
-                headers: list[tuple[str, str | bytes | None]] | None = None) -> None:
+                headers: list[tuple[str, str | bytes | None]] | None = None, *,
+                producer: Producer | None = None) -> None:
     """Produce ``(key, value)`` pairs to ``topic`` (full name) and wait for every delivery.
+
+    ``producer``: a long-lived producer (:func:`submit_producer`) to reuse. A new idempotent
+    producer needs its producer ID before it sends anything, and librdkafka asks for it again
+    only after 500 ms when the broker was not connected yet at creation: ~0.5 s added to the
+    first send of every new producer (bench/README.md, "Latency"). Pass one to send promptly.
 
     Raises ``RuntimeError`` if any message was not acknowledged within 60 s.
     """
     errors: list[object] = []
-    p = Producer(producer_config(settings))
+    p = producer if producer is not None else submit_producer(settings)
     for key, value in values:
         p.produce(topic, key=key, value=value, headers=headers,
                   on_delivery=lambda err, _m: errors.append(err) if err else None)
@@ -57,7 +76,11 @@ def produce_raw(settings: Settings, topic: str, values: list[tuple[bytes | None,
         raise RuntimeError(f"{left} undelivered, errors: {errors[:3]}")
 
 
-def submit(settings: Settings, events: list[DocumentUploaded]) -> None:
-    """Produce ``document.uploaded`` events (key = idempotency key) and wait for delivery."""
+def submit(settings: Settings, events: list[DocumentUploaded], *,
+           producer: Producer | None = None) -> None:
+    """Produce ``document.uploaded`` events (key = idempotency key) and wait for delivery
+    (``producer``: reuse one, see :func:`produce_raw`). Raises ``RuntimeError`` as
+    :func:`produce_raw` does."""
     produce_raw(settings, settings.topic("document.uploaded"),
-                [(e.idempotency_key.encode(), encode_event(e)) for e in events])
+                [(e.idempotency_key.encode(), encode_event(e)) for e in events],
+                producer=producer)

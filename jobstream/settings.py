@@ -47,7 +47,9 @@ class Settings(BaseSettings):
         default_factory=dict, description="librdkafka options passed through verbatim."
     )
     topic_prefix: str = Field(
-        "", description="Prefix for every topic and consumer group (isolates tests/tenants)."
+        "", description="Prefix for every topic and consumer group. It separates topics, not "
+        "databases: one database is one deployment (its relay lock, outbox and sweeper serve "
+        "every prefix), so give each prefix its own database.",
     )
     topic_partitions: int = Field(3, ge=1, description="Partitions per pipeline topic.")
     retry_topic_partitions: int = Field(
@@ -154,9 +156,10 @@ class Settings(BaseSettings):
         "streams/intake.py). 1: a transaction per event.",
     )
     intake_batch_wait_s: float = Field(
-        0.005, ge=0, description="How long the first event of an intake batch waits for "
+        0.0, ge=0, description="How long the first event of an intake batch waits for "
         "others before the batch commits (seconds); events that arrive while a batch commits "
-        "form the next one without waiting.",
+        "form the next one without waiting. 0 (group commit): a batch starts at once with "
+        "what has arrived, so a lone document is not held back (bench/README.md, Latency).",
     )
     intake_batch_max_bytes: int = Field(
         16 * 1024 * 1024, ge=1, description="An intake batch is cut once its documents' "
@@ -240,6 +243,13 @@ class Settings(BaseSettings):
                                  "outbox (seconds; 0 parks at the first failure)."
     )
     relay_batch_size: int = Field(500, ge=1, description="Outbox rows per relay batch.")
+    relay_linger_ms: float = Field(
+        0.0, ge=0, description="Relay: the producer's linger.ms (milliseconds), how long a row "
+                               "waits for others to share its produce request. Caught up, every "
+                               "hop of a job waited it (5 ms, producer_config's, before issue "
+                               "12's latency part: bench/README.md, Latency); draining a "
+                               "backlog, rows queue behind the requests in flight anyway."
+    )
     relay_max_in_flight: int = Field(
         5000, ge=1, description="Relay: most rows produced and not yet acknowledged; the next "
                                 "batch is fetched while earlier ones are in flight."

@@ -275,8 +275,10 @@ class OutboxRelay:
         self._stop = threading.Event()
         # murmur2_random: the Java client's partitioner, so a key lands on the partition
         # Kafka Connect (the Debezium relay) would choose: one key, one partition, either relay.
-        self._producer = Producer(producer_config(settings, **{"client.id": "jobstream-relay",
-                                                               "partitioner": "murmur2_random"}))
+        # linger.ms: relay_linger_ms (0: a caught-up row is sent at once; bench/README.md).
+        self._producer = Producer(producer_config(settings, **{
+            "client.id": "jobstream-relay", "partitioner": "murmur2_random",
+            "linger.ms": settings.relay_linger_ms}))
         self._ctx: Any = None  # StageContext of the sweeper, made on first use
         # The pipeline (see pump): rows in flight by id, acknowledged (to mark), failed.
         self._pending: dict[int, tuple[Any, ...]] = {}

@@ -60,6 +60,8 @@ DLQ_HEADERS: dict[str, str] = {
     "dlq_original_topic": "Topic the message was consumed from.",
     "dlq_original_partition": "Its partition there.",
     "dlq_original_offset": "Its offset there.",
+    "dlq_consumer_group": "The consumer group that dead-lettered it (each group on a topic "
+                          "dead-letters a bad message once).",
 }
 #: Headers a dead letter carries only in some cases (``consumers/routing.py``).
 DLQ_OPTIONAL_HEADERS: dict[str, str] = {

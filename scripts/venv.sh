@@ -64,4 +64,5 @@ case "${1:-}" in
     "${UV[@]}" lock --upgrade
     ;;
 esac
-exec "${UV[@]}" sync --frozen --extra test --quiet "$@"
+# --inexact: an extra installed earlier (--extra bench) stays when demo.sh / test.sh sync again.
+exec "${UV[@]}" sync --frozen --inexact --extra test --quiet "$@"

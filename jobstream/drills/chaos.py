@@ -538,7 +538,7 @@ def run_point(base: Settings, fault: str, *, jobs: int, logdir: Path,
                     if audit.returncode != 0:
                         result.violations.append(f"jobstream verify exit {audit.returncode}: "
                                                  f"{audit.stdout[-2000:]}{audit.stderr[-500:]}")
-                result.effects["downstream_duplicates"] = sum(
+                result.effects["downstream_redeliveries_skipped"] = sum(
                     _count_lines(p, " duplicate ") for p in runner.procs
                     if p.name.startswith("consume-ready"))
                 if owner == "worker":

@@ -31,7 +31,7 @@ def test_crash_at_fault_point_keeps_effects_exactly_once(settings: Settings, tmp
     if result.owner == "relay":
         assert effects["republished"] >= 1, result.report()
     if result.owner == "consume-ready":
-        assert effects["downstream_duplicates"] >= 1, result.report()
+        assert effects["downstream_redeliveries_skipped"] >= 1, result.report()
     if fault.startswith("llm_"):
         assert effects["retaken_stages"] >= 1, result.report()
     if fault.startswith("stage_after_commit"):

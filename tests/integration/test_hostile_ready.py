@@ -12,6 +12,7 @@ import psycopg
 import pytest
 from confluent_kafka import Producer
 
+from consumers.routing import DeadLetterSink
 from jobstream.kafka import base_config, group_lag
 from jobstream.ready_applier import apply_ready, idempotent_consumer
 from jobstream.settings import Settings
@@ -103,3 +104,37 @@ def test_the_same_handler_error_n_times_dead_letters_the_message(
     assert [(r["dlq_reason_code"], "ValueError" in r["dlq_reason"]) for r in rows] == [
         ("handler_error", True)]
 
+
+
+def test_two_groups_dead_letter_one_message_once_each_and_replay_can_pick_one_group(
+        settings: Settings, procs: ProcessRunner) -> None:
+    """Each consumer group on job.ready dead-letters a bad message once: the DLQ entries say
+    which group (header dlq_consumer_group, `dlq list`), and `dlq replay --group` replays only
+    that group's copy (one copy reaches every group again)."""
+    procs.start("consume-ready")
+    _produce(settings, [(0, b"poison-0", b"not json at all")])
+    group = settings.group("downstream-ready-applier")
+    wait_for(lambda: group_lag(settings, group, [settings.topic("job.ready")]) == 0, 60,
+             "consume-ready dead-lettered the poison", procs.logs)
+    # A second team's consumer group meets the same message: the library's dead-letter sink
+    # (what IdempotentConsumer uses) on the same broker, group "billing".
+    sink = DeadLetterSink(base_config(settings), dsn=settings.database_url, group="billing",
+                          max_message_bytes=settings.kafka_message_max_bytes)
+    assert sink.send(topic=settings.topic("job.ready"), partition=0, offset=0, key=b"poison-0",
+                     value=b"not json at all", headers=[], code="not_json",
+                     reason="billing could not decode it").where == "topic"
+    sink.close()
+    rows = wait_for(lambda: (r := json.loads(procs.run("dlq", "list", "--topic", "job.ready",
+                                                       "--json").stdout)) and len(r) == 2 and r,
+                    30, "both groups' dead letters listed", procs.logs)
+    assert sorted(r["consumer_group"] for r in rows) == sorted([group, "billing"])
+    table = procs.run("dlq", "list", "--topic", "job.ready", COLUMNS="250")
+    assert "by billing" in table.stdout, table.stdout
+    dry = procs.run("dlq", "replay", "--topic", "job.ready", "--group", "billing", "--dry-run",
+                    "--json")
+    assert dry.returncode == 0, dry.stderr
+    report = json.loads(dry.stdout)
+    [billing] = [r for r in rows if r["consumer_group"] == "billing"]
+    assert [it["ref"] for it in report["replayed"]] == [
+        f"{billing['dlq_topic']}:{billing['partition']}:{billing['offset']}"]
+    assert report["skipped"] == 1

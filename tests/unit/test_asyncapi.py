@@ -93,7 +93,7 @@ def test_documented_headers_are_the_ones_the_code_writes() -> None:
     up = DocumentUploaded(tenant_id="t", idempotency_key="k", payload=DocumentUploadedPayload(
         document=DocumentRef(filename="a", sha256="0" * 64, size_bytes=1, content_b64="YQ==")))
     assert set(outbox_message("document.uploaded", up).headers) == set(asyncapi.EVENT_HEADERS)
-    assert set(dlq_headers("c", "r", "t", 0, 1)) == set(asyncapi.DLQ_HEADERS)
+    assert set(dlq_headers("c", "r", "t", 0, 1, "g")) == set(asyncapi.DLQ_HEADERS)
     sink = (Path(__file__).parents[2] / "consumers" / "routing.py").read_text()
     for name in asyncapi.DLQ_OPTIONAL_HEADERS:
         assert f'"{name}"' in sink, name

@@ -12,11 +12,14 @@ Isolation: each test gets its own database cloned from a migrated template
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 import subprocess
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import psycopg
 import pytest
@@ -27,6 +30,35 @@ from jobstream.kafka import delete_topics, ensure_topics
 from jobstream.services import SCRIPT, kafka_answers, postgres_answers
 from jobstream.settings import DEFAULT_DATABASE_URL, DEFAULT_KAFKA, Settings
 from tests.helpers import ProcessRunner
+
+#: Modules whose tests share an expensive module-scoped fixture (a private Kafka + Postgres, a
+#: Kafka Connect worker): under pytest-xdist one worker runs each of them whole, so the fixture
+#: starts once. Every other test is scheduled on its own (each has its own database and topic
+#: prefix). A module added here must not depend on which other tests run beside it.
+ONE_WORKER_MODULES = frozenset({
+    "tests/e2e/test_debezium_relay.py",
+    "tests/e2e/test_service_restarts.py",
+    "tests/e2e/test_starvation_and_outage.py",
+})
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: unknown without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``-n N`` (``--dist load``; ``JOBSTREAM_TEST_WORKERS=2 bash scripts/test.sh``): tests one
+    by one, except the modules of :data:`ONE_WORKER_MODULES`, each sent to one worker whole.
+    (xdist's own ``--dist loadgroup`` cannot do it with pytest >= 9.2: it renames
+    ``item._nodeid``, which pytest no longer reads.) Work units go out largest first (xdist's
+    ``loadscope`` order)."""
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in ONE_WORKER_MODULES else nodeid
+
+    return ModuleFixtureScheduling(config, log)
 
 
 @dataclass(frozen=True)
@@ -92,17 +124,60 @@ def template_db(endpoints: Endpoints) -> Iterator[str]:
             sql.Identifier(name)))
 
 
+class _Dropper:
+    """Drops the test databases in a background thread, in order, while the next tests run.
+
+    ``DROP DATABASE`` waits for a checkpoint of the whole (shared) server: 0.1-2 s each, which
+    no test needs to wait for. :meth:`close` (session end) drops what is still queued and
+    raises ``AssertionError`` if a drop failed, so no database is left behind silently."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.queue: queue.Queue[str | None] = queue.Queue()
+        self.errors: list[str] = []
+        self.thread = threading.Thread(target=self._run, name="drop-test-databases",
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (name := self.queue.get()) is not None:
+            try:
+                with psycopg.connect(self.url, autocommit=True) as conn:
+                    conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                        sql.Identifier(name)))
+            except Exception as exc:  # reported at session end
+                self.errors.append(f"{name}: {exc!r}")
+
+    def drop(self, name: str) -> None:
+        """Queue database ``name`` for dropping (returns at once)."""
+        self.queue.put(name)
+
+    def close(self, timeout_s: float = 300.0) -> None:
+        """Drop what is queued (``timeout_s`` at most), stop the thread, report failures."""
+        self.queue.put(None)
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), f"test databases not dropped in {timeout_s}s"
+        assert not self.errors, f"test databases not dropped: {self.errors}"
+
+
+@pytest.fixture(scope="session")
+def _database_dropper(endpoints: Endpoints) -> Iterator[_Dropper]:
+    dropper = _Dropper(endpoints.database_url)
+    yield dropper
+    dropper.close()
+
+
 @pytest.fixture
-def database_url(endpoints: Endpoints, template_db: str) -> Iterator[str]:
-    """A fresh database for one test, cloned from the migrated template."""
+def database_url(endpoints: Endpoints, template_db: str,
+                 _database_dropper: _Dropper) -> Iterator[str]:
+    """A fresh database for one test, cloned from the migrated template (dropped after the
+    test, in the background: ``_Dropper``)."""
     name = f"jobstream_t_{uuid.uuid4().hex[:10]}"
     with psycopg.connect(endpoints.database_url, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
             sql.Identifier(name), sql.Identifier(template_db)))
     yield _with_db(endpoints.database_url, name)
-    with psycopg.connect(endpoints.database_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-            sql.Identifier(name)))
+    _database_dropper.drop(name)
 
 
 @pytest.fixture

@@ -128,6 +128,24 @@ def _attempts(url: str) -> list[dict[str, Any]]:
 PAUSED = {"lease_s": 10.0, "sweep_grace_s": 10.0, "llm_concurrency": 1}
 
 
+def _frozen_until_fenced(rig: Rig, second_worker: bool, *, at_most_s: float) -> None:
+    """Keep the worker frozen until the system has fenced its run, ``at_most_s`` seconds at most
+    (then go on as a fixed pause would: the assertions after SIGCONT decide).
+
+    Alone, the frozen run is fenced when the sweeper re-drives the job (``job.sweeps``); the
+    freeze then lasts one more sweeper pass (every ``sweep_grace_s / 2``), so a sweeper that
+    re-drove twice would show. With a second worker, until that worker finished the job."""
+    deadline = time.monotonic() + at_most_s
+
+    def fenced() -> bool:
+        [job] = query(rig.s.database_url, "SELECT status, sweeps FROM job")
+        return job["status"] == "succeeded" if second_worker else job["sweeps"] >= 1
+    while time.monotonic() < deadline and not fenced():
+        time.sleep(0.5)
+    if not second_worker:
+        time.sleep(max(0.0, min(rig.s.sweep_grace_s / 2 + 1, deadline - time.monotonic())))
+
+
 @pytest.mark.parametrize("rig", [PAUSED], indirect=True)
 @pytest.mark.parametrize("how,second_worker", [
     ("fault", False),
@@ -155,7 +173,10 @@ def test_a_paused_worker_never_strands_its_job(rig: Rig, how: str,
     [paused] = query(url, "SELECT run_token FROM job_stage WHERE stage = 'llm'")
     if second_worker:
         rig.start("worker", name="worker-b")
-    time.sleep(s.lease_s + s.sweep_grace_s + 20)  # 40 s, as in the issue
+    # Frozen past lease + sweep grace (the issue froze it 40 s): until the frozen run is fenced
+    # (the sweeper re-drove the job, then one more sweeper pass to show it does not re-drive
+    # twice) or, with a second worker, until that worker finished the job; 40 s at most.
+    _frozen_until_fenced(rig, second_worker, at_most_s=s.lease_s + s.sweep_grace_s + 20)
     os.kill(worker.popen.pid, signal.SIGCONT)
     # The resumed run finds itself fenced (heartbeat, attempt or completion) and discards.
     wait_for(lambda: "discarding a stale run" in worker.log_text(), 60,

@@ -32,13 +32,14 @@ def test_two_relays_one_active_the_standby_takes_over_after_kill_9(
     r1 = procs.start("relay", name="relay-1", **env)
     time.sleep(1.5)  # let relay-1 take the active lock first
     r2 = procs.start("relay", name="relay-2", **env)
-    procs.start("worker", **env)
+    w1 = procs.start("worker", **env)
     w2 = procs.start("worker", name="worker-2", **env)  # two workers share the partitions
     procs.start("consume-ready", **env)
-    # Submit only once the second worker holds partitions: before that the first one can finish
-    # all twelve jobs alone (seen in CI), and the test would not show the work being shared.
-    wait_for(lambda: "Setting newly assigned partitions" in w2.log_text(), 90,
-             "worker-2 assigned partitions", procs.logs)
+    # Submit only once BOTH workers hold partitions: the one that joins second triggers the
+    # rebalance that shares them. Before that, whichever joined first can finish all twelve
+    # jobs alone (seen in CI both ways), and the test would not show the work being shared.
+    wait_for(lambda: all("Setting newly assigned partitions" in w.log_text() for w in (w1, w2)),
+             90, "both workers assigned partitions", procs.logs)
     docs = _docs(tmp_path, 12)
     submit(settings, [uploaded_event(d, tenant_id="acme", idempotency_key=d.name,
                                      settings=settings) for d in docs])

@@ -38,7 +38,13 @@ event's work is done. So we track completion ourselves and hand faust only the r
 
 Only messages an agent actually took count (:meth:`CompletionTracker.received`): an event
 dropped at a rebalance (faust's generation check, or ours in ``streams/base.py``) is never
-registered, so the commit cannot pass it, and the rewind above re-reads it for the next owner.
+registered, and the rewind above re-reads it for the next owner. That alone did not keep the
+commit below it: when later offsets of the partition reached the agent first, "the lowest
+offset in flight" was above the dropped ones, and the group committed past them (the broker
+SIGKILL stall: docs/design-notes.md "Stalled between stages"). So every seek also tells the
+tracker where the partition was sought to (:meth:`CompletionTracker.sought`): the commit stays
+at or below that offset until it is taken, and the first offset taken above it asks for one
+seek back (:meth:`CompletionTracker.take_rewind`, done by the agent in ``streams/base.py``).
 """
 
 from __future__ import annotations

@@ -249,3 +249,26 @@ def assert_each_document_accepted_once(settings: Settings, keys: list[str]) -> N
     assert accepted == len(keys), f"{accepted} job.accepted rows for {len(keys)} documents"
     assert count(settings, "SELECT count(*) AS n FROM job_request") == len(keys)
     assert not read_topic(settings, settings.topic("document.uploaded") + ".dlq")
+
+
+def library_consumer(settings: Settings, schema: str, seen: dict[str, list[Any]],
+                     **settings_kw: Any) -> Any:
+    """The consumer library (:class:`consumers.IdempotentConsumer`) standalone on ``schema``
+    of the test's database and topic prefix, group ``<prefix>lib``, with a 5 s dead-letter
+    produce timeout (``settings_kw`` overrides any :class:`consumers.ConsumerSettings`
+    field). Its callbacks record into ``seen`` when the key is there: ``"applied"`` and
+    ``"duplicate"`` get the event's idempotency key, ``"dead"`` the dead letter's error
+    code. The caller registers its handlers with ``@consumer.on(...)``."""
+    from consumers import ConsumerSettings, IdempotentConsumer
+    kw: dict[str, Any] = {"bootstrap_servers": settings.kafka_bootstrap_servers,
+                          "dsn": settings.database_url, "group": settings.group("lib"),
+                          "db_schema": schema, "topic_prefix": settings.topic_prefix,
+                          "dlq_produce_timeout_s": 5, **settings_kw}
+
+    def record(key: str) -> Callable[[Any], None] | None:
+        return (lambda ev: seen[key].append(ev.idempotency_key)) if key in seen else None
+
+    dead = seen.get("dead")
+    return IdempotentConsumer(
+        ConsumerSettings(**kw), on_applied=record("applied"), on_duplicate=record("duplicate"),
+        on_dead_lettered=(lambda code, reason: dead.append(code)) if dead is not None else None)

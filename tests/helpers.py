@@ -272,3 +272,12 @@ def library_consumer(settings: Settings, schema: str, seen: dict[str, list[Any]]
     return IdempotentConsumer(
         ConsumerSettings(**kw), on_applied=record("applied"), on_duplicate=record("duplicate"),
         on_dead_lettered=(lambda code, reason: dead.append(code)) if dead is not None else None)
+
+
+def outbox_events(settings: Settings, event_type: str) -> list[Any]:
+    """Every ``event_type`` event still in the test database's outbox, oldest first, decoded
+    to its pydantic model (:func:`schemas.events.decode_event`; raises on a malformed row)."""
+    from schemas.events import decode_event
+    rows = query(settings.database_url, "SELECT payload FROM outbox WHERE event_type = %s "
+                 "ORDER BY id", (event_type,))
+    return [decode_event(bytes(r["payload"]), expected=event_type) for r in rows]

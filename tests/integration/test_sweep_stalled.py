@@ -14,28 +14,18 @@ from typing import Any
 
 import pytest
 
-from jobstream.db import connect
 from jobstream.drills.fake_provider import FakeProvider
 from jobstream.errors import StaleRun
 from jobstream.producer import uploaded_event
 from jobstream.settings import Settings
 from jobstream.store import Store
-from schemas.events import decode_event
 from streams.actions import sweep
 from streams.context import StageContext
 from streams.intake import handle_intake
 from streams.runner import run_stage
-from tests.helpers import query
+from tests.helpers import outbox_events, query
 
 pytestmark = pytest.mark.integration
-
-
-def _events(settings: Settings, event_type: str) -> list[Any]:
-    """Every ``event_type`` event in the outbox, oldest first."""
-    with connect(settings.database_url) as conn:
-        rows = conn.execute("SELECT payload FROM outbox WHERE event_type = %s ORDER BY id",
-                            (event_type,)).fetchall()
-    return [decode_event(bytes(r["payload"]), expected=event_type) for r in rows]
 
 
 def _lose_events(url: str) -> None:
@@ -67,9 +57,9 @@ def chunked(settings: Settings, tmp_path: Path) -> Iterator[tuple[StageContext, 
         ctx = StageContext(s, store)
         handle_intake(ctx, uploaded_event(doc, tenant_id="acme", idempotency_key="k",
                                           settings=s, model_profile="custom"))
-        assert run_stage(ctx, _events(s, "job.accepted")[-1]) == "done"
-        assert run_stage(ctx, _events(s, "job.text_extracted")[-1]) == "done"
-        yield ctx, _events(s, "job.chunks_ready")[-1]
+        assert run_stage(ctx, outbox_events(s, "job.accepted")[-1]) == "done"
+        assert run_stage(ctx, outbox_events(s, "job.text_extracted")[-1]) == "done"
+        yield ctx, outbox_events(s, "job.chunks_ready")[-1]
         ctx.close()
         store.close()
 
@@ -80,7 +70,7 @@ def test_a_lost_stage_event_is_re_emitted_once_and_the_job_finishes(chunked) -> 
     _lose_events(url)
     assert sweep(ctx) == [f"re-emitted job.chunks_ready of {lost.job_id}: llm never claimed "
                           "after chunk"]
-    [again] = _events(ctx.settings, "job.chunks_ready")
+    [again] = outbox_events(ctx.settings, "job.chunks_ready")
     assert (again.generation, again.dedup_key, again.payload) == (
         lost.generation, lost.dedup_key, lost.payload)
     assert sweep(ctx) == []  # its row waits in the outbox: not lost (yet)
@@ -88,7 +78,7 @@ def test_a_lost_stage_event_is_re_emitted_once_and_the_job_finishes(chunked) -> 
     # The lost copy, delivered late after all, is a duplicate for the idempotent consumer.
     assert run_stage(ctx, lost) == "skipped:duplicate"
     for ev_type in ("job.llm_done", "job.validated"):
-        assert run_stage(ctx, _events(ctx.settings, ev_type)[-1]) == "done"
+        assert run_stage(ctx, outbox_events(ctx.settings, ev_type)[-1]) == "done"
     assert query(url, "SELECT status, generation, sweeps FROM job") == [
         {"status": "succeeded", "generation": 0, "sweeps": 1}]
     _lose_events(url)

@@ -360,14 +360,22 @@ class Store:
         redrive) one in the job's stored trace, so every event of a job shares its trace-id.
         """
         ev = json.loads(msg.value)
+        conn.execute(Q["outbox_insert"], (msg.topic, msg.key, msg.value,
+                                          Jsonb(Store._outbox_headers(conn, msg, ev)),
+                                          ev["event_id"], ev["event_type"]))
+
+    @staticmethod
+    def _outbox_headers(conn: Conn, msg: OutboxMessage, ev: dict[str, Any]
+                        ) -> dict[str, Any]:
+        """The headers :meth:`add_outbox` writes for ``msg`` (its event ``ev``, decoded): a
+        ``traceparent`` added as described there."""
         headers = dict(msg.headers)
         if tracing.HEADER not in headers:
             trace_id = None
             if tracing.current() is None and ev.get("job_id"):
                 trace_id = Store._job_trace_id(conn, ev["job_id"])
             headers[tracing.HEADER] = tracing.outgoing_header(trace_id)
-        conn.execute(Q["outbox_insert"], (msg.topic, msg.key, msg.value, Jsonb(headers),
-                                          ev["event_id"], ev["event_type"]))
+        return headers
 
     @staticmethod
     def _job_trace_id(conn: Conn, job_id: str) -> str:
@@ -700,9 +708,8 @@ class Store:
         """
         try:
             with self.tx() as conn:
-                # Paused past its lease, the process loses the session (and the row lock).
-                conn.execute(Q["one_transaction_idle_limit"],
-                             {"ms": str(int(float(claim_kw["lease_s"]) * 1000))})
+                # Paused past its lease, the process loses the session (and the row lock):
+                # the claim's statement sets the idle limit (claim_job_and_stage).
                 return self.claim_and_complete_in(conn, work, **claim_kw)
         except (PoisonMessage, psycopg.Error) as exc:
             # Postgres refused the completion (its data: invalid_data; or anything else it
@@ -757,9 +764,13 @@ class Store:
                   dedup_key: str, event_type: str, event_id: uuid.UUID, lease_s: float,
                   code_version: str, generation: int = 0, reads: tuple[str, ...] = ()
                   ) -> Claim | Skip | Done | LeaseHeld:
-        row = conn.execute(Q["claim_job_for_update"], {
+        # The job lock, the duplicate check and the stage's claim in one round trip: the
+        # claim is made only when the checks below would let it go on (claim_job_and_stage).
+        row = conn.execute(Q["claim_job_and_stage"], {
             "job_id": job_id, "group": group, "dedup_key": dedup_key,
-            "event_type": event_type}).fetchone()
+            "event_type": event_type, "stage": stage, "run_token": uuid.uuid4(),
+            "lease_s": lease_s, "code_version": code_version, "generation": generation,
+            "idle_ms": str(int(float(lease_s) * 1000))}).fetchone()
         if row is None:
             return Skip("unknown_job")
         job = typed_row(JobRow, row)
@@ -773,10 +784,7 @@ class Store:
             conn.execute(Q["record_processed"], (group, dedup_key, event_type, event_id,
                                                  job_id))
             return Skip("cancelled" if job.cancel_requested else "terminal")
-        got = conn.execute(Q["claim_stage"], {"job_id": job_id, "stage": stage,
-                                              "run_token": uuid.uuid4(), "lease_s": lease_s,
-                                              "code_version": code_version}).fetchone()
-        if got is None:
+        if row["claim_run_token"] is None:
             cur = conn.execute(Q["get_stage"], (job_id, stage)).fetchone()
             assert cur is not None
             if cur["status"] == "succeeded":
@@ -784,9 +792,10 @@ class Store:
             if cur["status"] in ("failed", "needs_reconciliation"):
                 return Skip("terminal")
             return LeaseHeld(cur["lease_until"])
-        if got["attempt"] > 1:  # a takeover or a re-run: earlier runs may have left attempts
+        attempt = row["claim_attempt"]
+        if attempt > 1:  # a takeover or a re-run: earlier runs may have left attempts
             conn.execute(Q["close_orphan_attempts"], {"job_id": job_id, "stage": stage})
-        return Claim(job, stage, got["run_token"], got["attempt"], got["lease_until"],
+        return Claim(job, stage, row["claim_run_token"], attempt, row["claim_lease_until"],
                      self._read_inputs(conn, job, stage, reads))
 
     def provider_budget(self, job_id: uuid.UUID, stage: str) -> ProviderBudget:
@@ -896,7 +905,6 @@ class Store:
         """:meth:`complete` in the caller's transaction; ``locked``: the caller claimed in
         this transaction (the job row is locked and its generation read under the lock)."""
         job_id = claim.job.job_id
-        emitted = json.loads(next_msg.value)["payload"]
         if not locked:
             self._fence(conn, claim)
         fence = {"job_id": job_id, "stage": claim.stage, "run_token": claim.run_token,
@@ -912,11 +920,18 @@ class Store:
                 raise StaleRun(f"stage {claim.stage} of job {job_id}: run {claim.run_token} "
                                "was fenced off (or the chunk answered meanwhile); result "
                                "discarded")
-        # The fenced checkpoint and the job's advance in one statement.
-        row = conn.execute(Q["complete_stage_advance_job"], {
+        # The fenced checkpoint, the job's advance (or success, with a charge), the next
+        # event's outbox row and the idempotent-consumer row in one statement.
+        ev = json.loads(next_msg.value)
+        row = conn.execute(Q["complete_stage_emit"], {
             "output": Jsonb(output), "input_hash": input_hash, "code_version": code_version,
             "cost_usd": cost_usd, "job_id": job_id, "stage": claim.stage,
-            "run_token": claim.run_token, "emitted": Jsonb(emitted)}).fetchone()
+            "run_token": claim.run_token, "emitted": Jsonb(ev["payload"]),
+            "charge_usd": charge_usd, "topic": next_msg.topic, "kafka_key": next_msg.key,
+            "payload": next_msg.value, "headers": Jsonb(self._outbox_headers(conn, next_msg, ev)),
+            "next_event_id": ev["event_id"], "next_event_type": ev["event_type"],
+            "group": group, "dedup_key": claim.job.dedup_key, "event_type": event_type,
+            "event_id": event_id}).fetchone()
         if row is None or row["completed"] != 1:
             raise StaleRun(f"stage {claim.stage} of job {job_id}: run {claim.run_token} "
                            "was fenced off; result discarded")
@@ -927,11 +942,6 @@ class Store:
                 conn.execute(Q["delete_chunks"], (job_id,))
             with conn.cursor() as c:
                 c.executemany(Q["insert_chunk"], [(job_id, *ch) for ch in chunks])
-        if charge_usd is not None:
-            conn.execute(Q["succeed_job"], (charge_usd, job_id))
-        self.add_outbox(conn, next_msg)
-        conn.execute(Q["record_processed"], (group, claim.job.dedup_key, event_type,
-                                             event_id, job_id))
 
     def fail(self, claim: Claim, *, error_code: str, error: str, group: str, event_type: str,
              event_id: uuid.UUID, failed_msg: OutboxMessage) -> None:

@@ -504,6 +504,87 @@ SELECT coalesce(sum(cost_usd), 0)::float8 AS cost_usd FROM provider_attempt WHER
 
 -- ---------------------------------------------------------------- idempotent consumer
 
+-- name: complete_stage_emit
+-- Issue 12 (perf-worker4): a stage's whole completion in ONE round trip: the fenced
+-- checkpoint, the job's advance (or, with a charge, its success: what succeed_job does), the
+-- next event's outbox row and the idempotent-consumer row. The job advances and the two rows
+-- are written only when the fenced UPDATE took the checkpoint; ``completed`` = 0 means a newer
+-- run owns the stage (the caller raises StaleRun and rolls back). ``recorded`` = 0: the
+-- processed_event row already existed (not expected: the claim checked it under the job lock).
+WITH done AS (
+    UPDATE job_stage
+       SET status = 'succeeded', output = %(output)s, input_hash = %(input_hash)s,
+           code_version = %(code_version)s, cost_usd = %(cost_usd)s, emitted = %(emitted)s,
+           lease_until = NULL, finished_at = now(), updated_at = now()
+     WHERE job_id = %(job_id)s AND stage = %(stage)s AND run_token = %(run_token)s
+       AND status = 'running'
+    RETURNING job_id),
+advanced AS (
+    UPDATE job
+       SET status = CASE WHEN %(charge_usd)s::numeric IS NULL THEN 'running'
+                         ELSE 'succeeded' END,
+           current_stage = %(stage)s, cost_usd = cost_usd + %(cost_usd)s,
+           charge_usd = coalesce(%(charge_usd)s::numeric, charge_usd),
+           finished_at = CASE WHEN %(charge_usd)s::numeric IS NULL THEN finished_at
+                              ELSE now() END,
+           updated_at = now()
+     WHERE job_id IN (SELECT job_id FROM done)
+       AND status NOT IN ('succeeded', 'failed', 'cancelled')),
+emitted_row AS (
+    INSERT INTO outbox (topic, kafka_key, payload, headers, event_id, event_type)
+    SELECT %(topic)s, %(kafka_key)s, %(payload)s, %(headers)s, %(next_event_id)s,
+           %(next_event_type)s
+      FROM done),
+recorded AS (
+    INSERT INTO processed_event (key_digest, consumer_group, dedup_key, event_type, event_id,
+                                 job_id)
+    SELECT processed_event_key(%(group)s, %(event_type)s, %(dedup_key)s), %(group)s,
+           %(dedup_key)s, %(event_type)s, %(event_id)s, job_id
+      FROM done
+    ON CONFLICT (key_digest) DO NOTHING
+    RETURNING 1)
+SELECT (SELECT count(*) FROM done)::int AS completed,
+       (SELECT count(*) FROM recorded)::int AS recorded;
+
+-- name: claim_job_and_stage
+-- Issue 12 (perf-worker4): claim_job_for_update and claim_stage in ONE round trip. The job row
+-- is locked (its latest version: READ COMMITTED re-reads it after a lock wait) with whether
+-- this event was processed; the stage is claimed only when the claim would go on past those
+-- checks (an event not older than the job's generation, not processed, a job neither terminal,
+-- parked nor cancelled: the checks Store._claim_in makes on the row, in the same order).
+-- ``claim_run_token`` NULL with the checks passed: the stage is leased, done or terminal
+-- (the caller reads it with get_stage, as after claim_stage returned no row).
+-- It also sets the transaction's idle limit (one_transaction_idle_limit, %(idle_ms)s: ms as
+-- text) from the moment the job row is locked: a process paused past it loses its session,
+-- the lock with it (a separate statement before, one round trip per transaction).
+WITH j AS (
+    SELECT j.*, EXISTS (SELECT 1 FROM processed_event p
+                         WHERE p.key_digest = processed_event_key(%(group)s, %(event_type)s,
+                                                                  %(dedup_key)s)) AS processed
+      FROM job j WHERE j.job_id = %(job_id)s FOR UPDATE OF j),
+c AS (
+    INSERT INTO job_stage (job_id, stage, status, attempt, run_token, lease_until, started_at)
+    SELECT j.job_id, %(stage)s, 'running', 1, %(run_token)s,
+           now() + make_interval(secs => %(lease_s)s), now()
+      FROM j
+     WHERE %(generation)s >= j.generation AND NOT j.processed
+       AND j.status NOT IN ('succeeded', 'failed', 'cancelled', 'needs_reconciliation')
+       AND NOT j.cancel_requested
+    ON CONFLICT (job_id, stage) DO UPDATE
+       SET status = 'running', attempt = job_stage.attempt + 1, run_token = EXCLUDED.run_token,
+           lease_until = EXCLUDED.lease_until, started_at = now(), updated_at = now(),
+           error_code = NULL, error = NULL,
+           lease_takeovers = job_stage.lease_takeovers + (job_stage.status = 'running')::int
+     WHERE job_stage.status = 'pending'
+        OR (job_stage.status = 'running' AND job_stage.lease_until < now())
+        OR (job_stage.status = 'succeeded'
+            AND job_stage.code_version IS DISTINCT FROM %(code_version)s)
+    RETURNING attempt, run_token, lease_until)
+SELECT j.*, c.attempt AS claim_attempt, c.run_token AS claim_run_token,
+       c.lease_until AS claim_lease_until,
+       set_config('idle_in_transaction_session_timeout', %(idle_ms)s, true) AS idle_limit
+  FROM j LEFT JOIN c ON true;
+
 -- name: record_processed
 -- The idempotent-consumer row, in the same transaction as the effect. No row back = duplicate.
 -- Parameters: group, dedup key, event type, event id, job id; keyed by their 16-byte

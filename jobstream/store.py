@@ -265,6 +265,11 @@ def outbox_message(topic: str, event: BaseModel) -> OutboxMessage:
     return OutboxMessage(topic, str(job_id or ev.idempotency_key), encode_event(event), headers)
 
 
+class _StepRaised(Exception):  # noqa: N818 - a signal inside the store, not an error
+    """A step of a savepoint-free shared stage transaction raised: the transaction rolls back
+    and its steps run again, a savepoint each (:meth:`Store.claim_and_complete_many`)."""
+
+
 class Store:
     """All DB operations, over a small connection pool (``max_size`` connections)."""
 
@@ -743,20 +748,42 @@ class Store:
         commit together. Every run is fenced as in :meth:`claim_and_complete` (job row locked,
         run token, generation); the idle limit is ``lease_s`` seconds, as there.
 
+        The steps run first WITHOUT savepoints (a savepoint per step is two round trips and
+        a subtransaction in Postgres; issue 12, perf-worker4): when one of them raises, that
+        whole transaction rolls back (nothing of it was committed) and the steps run again,
+        each in its own savepoint as above. A step may therefore run twice; a step is a claim,
+        pure work and a completion, so its second run starts from the same rows.
+
         Raises :class:`RetryableError` / :class:`PoisonMessage` like :meth:`tx` when the
         transaction itself fails (nothing of it committed, or - a lost COMMIT - all of it).
         """
+        if len(steps) > 1:
+            try:
+                return self._steps_in_one_transaction(steps, lease_s, savepoints=False)
+            except _StepRaised:
+                pass  # rolled back as a whole: once more, a savepoint per step
+        return self._steps_in_one_transaction(steps, lease_s, savepoints=True)
+
+    def _steps_in_one_transaction(self, steps: Sequence[Callable[[Conn], T]], lease_s: float,
+                                  *, savepoints: bool) -> list[T | None]:
+        """:meth:`claim_and_complete_many`'s transaction; without ``savepoints``, a step
+        that raises rolls it all back (:class:`_StepRaised`)."""
         out: list[T | None] = []
         with self.tx() as conn:
             conn.execute(Q["one_transaction_idle_limit"], {"ms": str(int(lease_s * 1000))})
             for step in steps:
                 try:
+                    if not savepoints:
+                        out.append(step(conn))
+                        continue
                     with conn.transaction():  # a savepoint
                         out.append(step(conn))
                 except (psycopg.OperationalError, psycopg.errors.InFailedSqlTransaction,
                         psycopg.errors.IdleInTransactionSessionTimeout):
                     raise  # the session is gone: the whole transaction fails (an outage)
-                except Exception:  # noqa: BLE001 - rolled back to the savepoint; run alone
+                except Exception as exc:  # noqa: BLE001 - rolled back to the savepoint; run alone
+                    if not savepoints:
+                        raise _StepRaised from exc  # the whole transaction rolls back
                     out.append(None)
         return out
 

@@ -124,25 +124,6 @@ SELECT * FROM job WHERE job_id = %s FOR UPDATE;
 -- name: get_stage
 SELECT * FROM job_stage WHERE job_id = %s AND stage = %s;
 
--- name: claim_stage
--- Claim a stage: a fresh run token (fencing token) and lease. Succeeds only when the stage is
--- new, pending, running under an expired lease (a crashed or stuck run), or succeeded under
--- another code version (reached only by a redrive: normal redeliveries are duplicates).
--- Taking over a running stage (only possible once its lease expired) counts a lease takeover.
-INSERT INTO job_stage (job_id, stage, status, attempt, run_token, lease_until, started_at)
-VALUES (%(job_id)s, %(stage)s, 'running', 1, %(run_token)s,
-        now() + make_interval(secs => %(lease_s)s), now())
-ON CONFLICT (job_id, stage) DO UPDATE
-   SET status = 'running', attempt = job_stage.attempt + 1, run_token = EXCLUDED.run_token,
-       lease_until = EXCLUDED.lease_until, started_at = now(), updated_at = now(),
-       error_code = NULL, error = NULL,
-       lease_takeovers = job_stage.lease_takeovers + (job_stage.status = 'running')::int
- WHERE job_stage.status = 'pending'
-    OR (job_stage.status = 'running' AND job_stage.lease_until < now())
-    OR (job_stage.status = 'succeeded'
-        AND job_stage.code_version IS DISTINCT FROM %(code_version)s)
-RETURNING attempt, run_token, lease_until;
-
 -- name: renew_lease
 -- Fenced by run token AND generation: a run of an older generation renews nothing.
 UPDATE job_stage s
@@ -219,14 +200,6 @@ SET LOCAL lock_timeout = '2s';
 -- name: count_sweep
 UPDATE job SET sweeps = sweeps + 1, swept_at = now() WHERE job_id = %s;
 
--- name: claim_job_for_update
--- The claim's first read: the job row locked, and whether the idempotent consumer already
--- processed this event (``processed``), in one round trip.
-SELECT j.*, EXISTS (SELECT 1 FROM processed_event p
-                     WHERE p.key_digest = processed_event_key(%(group)s, %(event_type)s,
-                                                              %(dedup_key)s)) AS processed
-  FROM job j WHERE j.job_id = %(job_id)s FOR UPDATE OF j;
-
 -- name: job_provider_budget
 -- The LLM stage's budget, read in its claim transaction: the stage's provider attempts per
 -- chunk index (all runs and retry rounds: a jsonb object {"idx": n}), the stage's attempts
@@ -263,25 +236,6 @@ UPDATE chunk c SET llm_output = %(output)s, llm_attempt_id = a.attempt_id
   FROM a
  WHERE c.job_id = a.job_id AND c.idx = %(chunk_idx)s AND c.llm_output IS NULL
 RETURNING a.attempt_id;
-
--- name: complete_stage_advance_job
--- complete_stage and advance_job in one round trip (issue 12: fewer statements per stage):
--- the job advances only when the fenced completion updated the checkpoint; ``completed`` = 0
--- means a newer run owns the stage (its caller raises StaleRun and rolls back).
-WITH done AS (
-    UPDATE job_stage
-       SET status = 'succeeded', output = %(output)s, input_hash = %(input_hash)s,
-           code_version = %(code_version)s, cost_usd = %(cost_usd)s, emitted = %(emitted)s,
-           lease_until = NULL, finished_at = now(), updated_at = now()
-     WHERE job_id = %(job_id)s AND stage = %(stage)s AND run_token = %(run_token)s
-       AND status = 'running'
-    RETURNING job_id),
-advanced AS (
-    UPDATE job SET status = 'running', current_stage = %(stage)s,
-                   cost_usd = cost_usd + %(cost_usd)s, updated_at = now()
-     WHERE job_id IN (SELECT job_id FROM done)
-       AND status NOT IN ('succeeded', 'failed', 'cancelled'))
-SELECT count(*)::int AS completed FROM done;
 
 -- name: fail_stage
 UPDATE job_stage
@@ -550,13 +504,13 @@ SELECT (SELECT count(*) FROM done)::int AS completed,
        (SELECT count(*) FROM recorded)::int AS recorded;
 
 -- name: claim_job_and_stage
--- Issue 12 (perf-worker4): claim_job_for_update and claim_stage in ONE round trip. The job row
+-- Issue 12 (perf-worker4): the job lock and the stage's claim in ONE round trip (were two). The job row
 -- is locked (its latest version: READ COMMITTED re-reads it after a lock wait) with whether
 -- this event was processed; the stage is claimed only when the claim would go on past those
 -- checks (an event not older than the job's generation, not processed, a job neither terminal,
 -- parked nor cancelled: the checks Store._claim_in makes on the row, in the same order).
 -- ``claim_run_token`` NULL with the checks passed: the stage is leased, done or terminal
--- (the caller reads it with get_stage, as after claim_stage returned no row).
+-- (the caller reads it with get_stage).
 -- It also sets the transaction's idle limit (one_transaction_idle_limit, %(idle_ms)s: ms as
 -- text) from the moment the job row is locked: a process paused past it loses its session,
 -- the lock with it (a separate statement before, one round trip per transaction).
@@ -929,7 +883,7 @@ SELECT lane, status, count(*) AS n FROM job GROUP BY lane, status;
 
 -- name: metrics_stage_runs
 -- Stage runs per stage: every claim adds one to attempt, so runs = sum(attempt) and runs
--- that were a retry = sum(attempt - 1); lease takeovers as counted by claim_stage; running
+-- that were a retry = sum(attempt - 1); lease takeovers as counted by claim_job_and_stage; running
 -- stages whose lease has expired right now.
 SELECT stage, coalesce(sum(attempt), 0)::bigint AS runs,
        coalesce(sum(greatest(attempt - 1, 0)), 0)::bigint AS retries,

@@ -728,7 +728,7 @@ class Store:
                                                         Exception | None]:
         """:meth:`claim_and_complete`'s claim, work and completion inside the caller's
         transaction ``conn`` (the caller sets the idle limit and commits)."""
-        got = self._claim_in(conn, **claim_kw)
+        got = self._claim_in(conn, idle_limit=True, **claim_kw)
         if not isinstance(got, Claim):
             return got, None
         try:
@@ -789,15 +789,18 @@ class Store:
 
     def _claim_in(self, conn: Conn, *, job_id: uuid.UUID, stage: str, group: str,
                   dedup_key: str, event_type: str, event_id: uuid.UUID, lease_s: float,
-                  code_version: str, generation: int = 0, reads: tuple[str, ...] = ()
-                  ) -> Claim | Skip | Done | LeaseHeld:
+                  code_version: str, generation: int = 0, reads: tuple[str, ...] = (),
+                  idle_limit: bool = False) -> Claim | Skip | Done | LeaseHeld:
+        """:meth:`claim` in the caller's transaction; ``idle_limit``: the transaction goes on
+        under the job's row lock (one transaction), so it may stay idle at most ``lease_s``
+        (set by the claim's statement, see :meth:`claim_and_complete`)."""
         # The job lock, the duplicate check and the stage's claim in one round trip: the
         # claim is made only when the checks below would let it go on (claim_job_and_stage).
         row = conn.execute(Q["claim_job_and_stage"], {
             "job_id": job_id, "group": group, "dedup_key": dedup_key,
             "event_type": event_type, "stage": stage, "run_token": uuid.uuid4(),
             "lease_s": lease_s, "code_version": code_version, "generation": generation,
-            "idle_ms": str(int(float(lease_s) * 1000))}).fetchone()
+            "idle_ms": str(int(float(lease_s) * 1000)) if idle_limit else None}).fetchone()
         if row is None:
             return Skip("unknown_job")
         job = typed_row(JobRow, row)
@@ -967,8 +970,9 @@ class Store:
         if chunks is not None:
             if claim.attempt > 1:  # a re-run replaces the chunks of an earlier one
                 conn.execute(Q["delete_chunks"], (job_id,))
-            with conn.cursor() as c:
-                c.executemany(Q["insert_chunk"], [(job_id, *ch) for ch in chunks])
+            if chunks:
+                conn.execute(Q["insert_chunks"], (job_id, *(list(col) for col in zip(
+                    *chunks, strict=True))))
 
     def fail(self, claim: Claim, *, error_code: str, error: str, group: str, event_type: str,
              event_id: uuid.UUID, failed_msg: OutboxMessage) -> None:

@@ -400,9 +400,12 @@ UPDATE job SET status = 'cancelled', error_code = 'cancelled_by_user', finished_
 -- name: get_document
 SELECT content, content_type FROM document WHERE tenant_id = %s AND sha256 = %s;
 
--- name: insert_chunk
+-- name: insert_chunks
+-- A chunk stage's chunks in one statement (was one INSERT per chunk through executemany, i.e.
+-- psycopg's pipeline machinery even for one chunk); arrays in binary (%b): no text escaping.
 INSERT INTO chunk (job_id, idx, char_start, char_end, text, text_sha256)
-VALUES (%s, %s, %s, %s, %s, %s);
+SELECT %b::uuid, x.* FROM unnest(%b::integer[], %b::integer[], %b::integer[], %b::text[],
+                                 %b::text[]) AS x;
 
 -- name: delete_chunks
 DELETE FROM chunk WHERE job_id = %s;
@@ -504,16 +507,17 @@ SELECT (SELECT count(*) FROM done)::int AS completed,
        (SELECT count(*) FROM recorded)::int AS recorded;
 
 -- name: claim_job_and_stage
--- Issue 12 (perf-worker4): the job lock and the stage's claim in ONE round trip (were two). The job row
--- is locked (its latest version: READ COMMITTED re-reads it after a lock wait) with whether
--- this event was processed; the stage is claimed only when the claim would go on past those
--- checks (an event not older than the job's generation, not processed, a job neither terminal,
--- parked nor cancelled: the checks Store._claim_in makes on the row, in the same order).
--- ``claim_run_token`` NULL with the checks passed: the stage is leased, done or terminal
--- (the caller reads it with get_stage).
--- It also sets the transaction's idle limit (one_transaction_idle_limit, %(idle_ms)s: ms as
--- text) from the moment the job row is locked: a process paused past it loses its session,
--- the lock with it (a separate statement before, one round trip per transaction).
+-- Issue 12 (perf-worker4): the job lock and the stage's claim in ONE round trip (were two).
+-- The job row is locked (its latest version: READ COMMITTED re-reads it after a lock wait)
+-- with whether this event was processed; the stage is claimed only when the claim would go on
+-- past those checks (an event not older than the job's generation, not processed, a job
+-- neither terminal, parked nor cancelled: the checks Store._claim_in makes on the row, in the
+-- same order). ``claim_run_token`` NULL with the checks passed: the stage is leased, done or
+-- terminal (the caller reads it with get_stage).
+-- With %(idle_ms)s (ms as text; NULL: no limit, a two-transaction claim) it also sets the
+-- transaction's idle limit (one_transaction_idle_limit) from the moment the job row is
+-- locked: a process paused past it loses its session, the lock with it (a separate statement
+-- before, one round trip per transaction).
 WITH j AS (
     SELECT j.*, EXISTS (SELECT 1 FROM processed_event p
                          WHERE p.key_digest = processed_event_key(%(group)s, %(event_type)s,
@@ -539,7 +543,9 @@ c AS (
     RETURNING attempt, run_token, lease_until)
 SELECT j.*, c.attempt AS claim_attempt, c.run_token AS claim_run_token,
        c.lease_until AS claim_lease_until,
-       set_config('idle_in_transaction_session_timeout', %(idle_ms)s, true) AS idle_limit
+       CASE WHEN %(idle_ms)s::text IS NOT NULL
+            THEN set_config('idle_in_transaction_session_timeout', %(idle_ms)s, true)
+       END AS idle_limit
   FROM j LEFT JOIN c ON true;
 
 -- name: record_processed

@@ -746,7 +746,8 @@ class Store:
         savepoint: a step that raises is rolled back alone and its slot is ``None`` (the
         caller runs that event again on its own, which reports its error as usual), the others
         commit together. Every run is fenced as in :meth:`claim_and_complete` (job row locked,
-        run token, generation); the idle limit is ``lease_s`` seconds, as there.
+        run token, generation); the idle limit is ``lease_s`` seconds, as there (each step's
+        claim sets it from its own ``lease_s``, this one).
 
         The steps run first WITHOUT savepoints (a savepoint per step is two round trips and
         a subtransaction in Postgres; issue 12, perf-worker4): when one of them raises, that
@@ -759,18 +760,19 @@ class Store:
         """
         if len(steps) > 1:
             try:
-                return self._steps_in_one_transaction(steps, lease_s, savepoints=False)
+                return self._steps_in_one_transaction(steps, savepoints=False)
             except _StepRaised:
                 pass  # rolled back as a whole: once more, a savepoint per step
-        return self._steps_in_one_transaction(steps, lease_s, savepoints=True)
+        return self._steps_in_one_transaction(steps, savepoints=True)
 
-    def _steps_in_one_transaction(self, steps: Sequence[Callable[[Conn], T]], lease_s: float,
-                                  *, savepoints: bool) -> list[T | None]:
+    def _steps_in_one_transaction(self, steps: Sequence[Callable[[Conn], T]], *,
+                                  savepoints: bool) -> list[T | None]:
         """:meth:`claim_and_complete_many`'s transaction; without ``savepoints``, a step
         that raises rolls it all back (:class:`_StepRaised`)."""
         out: list[T | None] = []
         with self.tx() as conn:
-            conn.execute(Q["one_transaction_idle_limit"], {"ms": str(int(lease_s * 1000))})
+            # No statement of its own for the idle limit: each step's claim sets it
+            # (claim_job_and_stage) before its job row lock is held.
             for step in steps:
                 try:
                     if not savepoints:

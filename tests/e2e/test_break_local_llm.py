@@ -24,7 +24,7 @@ from jobstream.kafka import group_lag
 from jobstream.producer import produce_raw
 from jobstream.settings import Settings
 from schemas.events import encode_event
-from tests.helpers import ProcessRunner, query, read_topic, wait_for
+from tests.helpers import ProcessRunner, query, read_topic, stopped, wait_for
 from tests.helpers import text_uploaded as _uploaded
 
 pytestmark = pytest.mark.e2e
@@ -32,12 +32,6 @@ pytestmark = pytest.mark.e2e
 #: Long enough for several chunks at chunk_size_chars=400.
 TEXT = " ".join(f"Paragraph {i}: the local model answers this chunk inside one transaction "
                 f"while the worker that holds it is frozen past its lease." for i in range(20))
-
-
-def _stopped(pid: int) -> bool:
-    """True while ``pid`` is stopped (SIGSTOP): state ``T`` in /proc/<pid>/stat."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
 def _job(settings: Settings) -> dict:
@@ -68,7 +62,7 @@ def test_a_worker_frozen_inside_the_local_llm_transaction_past_its_lease_answers
         wait_for(lambda: _job(settings).get("status") == "succeeded", 120,
                  "the live worker to finish the job while the other is frozen", procs.logs,
                  every_s=1.0)
-        assert _stopped(frozen.popen.pid), "the frozen worker was resumed early: inconclusive"
+        assert stopped(frozen.popen.pid), "the frozen worker was resumed early: inconclusive"
     finally:
         os.kill(frozen.popen.pid, signal.SIGCONT)
     topics = [settings.topic(t) for t in ("job.chunks_ready", "job.llm_done", "job.validated")]

@@ -21,21 +21,14 @@ from jobstream.kafka import STAGE_TOPICS, group_lag
 from jobstream.producer import produce_raw
 from jobstream.settings import Settings
 from schemas.events import encode_event
-from tests.helpers import ProcessRunner, query, read_topic, wait_for
+from tests.helpers import ProcessRunner, count, query, read_topic, stopped, wait_for
 from tests.helpers import text_uploaded as _uploaded
 
 pytestmark = pytest.mark.e2e
 
 
-def _stopped(pid: int) -> bool:
-    """True while ``pid`` is stopped (SIGSTOP): state ``T`` in /proc/<pid>/stat."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] == "T"
-
-
 def _succeeded(settings: Settings) -> int:
-    return int(query(settings.database_url,
-                     "SELECT count(*) AS n FROM job WHERE status = 'succeeded'")[0]["n"])
+    return count(settings, "SELECT count(*) AS n FROM job WHERE status = 'succeeded'")
 
 
 def _docs(prefix: str, n: int) -> list[tuple[bytes, bytes]]:
@@ -66,7 +59,7 @@ def test_a_worker_sigstopped_mid_burst_past_its_session_keeps_effects_exactly_on
         wait_for(lambda: _succeeded(settings) == total, 180,
                  "the live worker to finish every job while the other is frozen", procs.logs,
                  every_s=1.0)
-        assert _stopped(frozen.popen.pid), "the frozen worker was resumed early: inconclusive"
+        assert stopped(frozen.popen.pid), "the frozen worker was resumed early: inconclusive"
     finally:
         os.kill(frozen.popen.pid, signal.SIGCONT)
     topics = [settings.topic(t) for t in STAGE_TOPICS]

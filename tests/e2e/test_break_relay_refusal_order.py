@@ -42,15 +42,20 @@ def _insert(url: str, topic: str) -> None:
                 {"n": i, "pad": pad}).encode(), Jsonb({"n": i}), uuid.uuid4(), "test.row"))
 
 
+@pytest.mark.parametrize("batch", [None, 3], ids=["default_batches", "batches_of_3"])
 def test_a_row_the_broker_refuses_is_parked_and_the_key_keeps_its_order(
-        settings: Settings, procs: ProcessRunner) -> None:
+        settings: Settings, procs: ProcessRunner, batch: int | None) -> None:
+    """``batches_of_3``: the producer's record batches hold 3 rows (``batch.num.messages``),
+    so a refused batch (the large row and its batch-mates) has later batches of the same
+    partition in flight behind it, which the broker takes."""
     url, topic = settings.database_url, settings.topic("break.narrow")
     admin = AdminClient(base_config(settings))
     admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1,
                                   config={"max.message.bytes": "2000"})])[topic].result(30)
     wait_for(lambda: topic in admin.list_topics(timeout=10).topics, 30, "the topic")
     _insert(url, topic)
-    relay = procs.start("relay")
+    relay = procs.start("relay", **({} if batch is None else {
+        "JOBSTREAM_KAFKA_EXTRA": json.dumps({"batch.num.messages": batch})}))
     wait_for(lambda: not query(url, "SELECT 1 FROM outbox WHERE published_at IS NULL"), 90,
              "the outbox drained (good rows published, the large one parked)", procs.logs)
     got = [json.loads(m.value())["n"] for m in read_topic(settings, topic)]

@@ -98,3 +98,36 @@ def test_unrepresentable_charges_in_a_copy_batch_are_dead_lettered_and_the_rest_
     reasons = {dict(m.headers())["dlq_reason_code"].decode() for m in dlq}
     assert len(dlq) == 2 and reasons == {"invalid_data"}, [m.headers() for m in dlq]
     assert "Traceback" not in "".join(p.log_text() for p in procs.procs), procs.logs()
+
+
+def _members_with_partitions(settings: Settings) -> int:
+    """Members of the ready applier's group that hold partitions (describe_consumer_groups)."""
+    from confluent_kafka.admin import AdminClient
+
+    from jobstream.kafka import base_config
+    group = settings.group("downstream-ready-applier")
+    admin = AdminClient(base_config(settings))  # referenced until the answer came
+    (fut,) = admin.describe_consumer_groups([group], request_timeout=5).values()
+    return sum(1 for m in fut.result(10).members
+               if m.assignment and m.assignment.topic_partitions)
+
+
+def test_copies_on_different_partitions_applied_by_two_consumers_at_once_apply_once(
+        settings: Settings, procs: ProcessRunner) -> None:
+    """Duplicate delivery across partitions (each event produced twice under random Kafka
+    keys): two ``consume-ready`` processes apply overlapping COPY batches at the same time;
+    their ``processed_event`` inserts (sorted by key digest) decide, each event applies once."""
+    events = [job_ready(f"d{i}", charge_usd=0.5) for i in range(60)]
+    a = procs.start("consume-ready", name="consumer-a")
+    b = procs.start("consume-ready", name="consumer-b")
+    wait_for(lambda: _members_with_partitions(settings) == 2, 60,
+             "both consumers assigned partitions", procs.logs, every_s=0.5)
+    msgs = [(uuid.uuid4().bytes, encode_event(e)) for e in events for _ in range(2)]
+    produce_raw(settings, settings.topic("job.ready"), msgs)
+    wait_for(lambda: len(_applied(settings)) == 60 and _lag_zero(settings), 60,
+             "every event applied and every offset committed", procs.logs)
+    assert set(_applied(settings).values()) == {(1, 1)}, _applied(settings)
+    assert query(settings.database_url,
+                 "SELECT count(*) AS n FROM processed_event")[0]["n"] == 60
+    assert read_topic(settings, settings.topic("job.ready.dlq")) == []
+    assert a.popen.poll() is None and b.popen.poll() is None, procs.logs()

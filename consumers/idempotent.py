@@ -31,8 +31,9 @@ its own, down to one message per transaction, so a bad message costs only itself
 neighbours are applied exactly once. With ``decode_ahead`` (the default) the next batch is
 fetched before this one is applied and a second thread decodes it while this one is in
 Postgres (it only reads message values: the Kafka consumer and Postgres stay in one thread),
-computes its dedup-key digests and runs the batch handler's ``prepare`` on each event (e.g.
-the ready applier's binary COPY rows, :meth:`IdempotentConsumer.on_batch`).
+computes its dedup-key digests and the dedup insert's binary array elements, and runs the batch
+handler's ``prepare`` on each event (e.g. the ready applier's binary COPY rows,
+:meth:`IdempotentConsumer.on_batch`).
 
 Examples
 --------

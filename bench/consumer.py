@@ -208,7 +208,7 @@ def make_consumer(settings: Settings, *, dedup: bool, max_batch: int | None, han
     elif handler == "json":
         consumer.on_batch(JobReady)(apply_ready_batch_json)
     if not dedup:
-        consumer._new_events = lambda conn, seen, first, **kw: list(seen)  # type: ignore[method-assign]
+        consumer._new_events = lambda conn, seen, first: list(seen)  # type: ignore[method-assign]
         consumer._record = lambda conn, event: (1,)  # type: ignore[method-assign]
     return consumer
 

@@ -31,9 +31,8 @@ its own, down to one message per transaction, so a bad message costs only itself
 neighbours are applied exactly once. With ``decode_ahead`` (the default) the next batch is
 fetched before this one is applied and a second thread decodes it while this one is in
 Postgres (it only reads message values: the Kafka consumer and Postgres stay in one thread),
-computes its dedup-key digests and the dedup insert's binary array elements, and runs the batch
-handler's ``prepare`` on each event (e.g. the ready applier's binary COPY rows,
-:meth:`IdempotentConsumer.on_batch`).
+computes its dedup-key digests and runs the batch handler's ``prepare`` on each event (e.g.
+the ready applier's binary COPY rows, :meth:`IdempotentConsumer.on_batch`).
 
 Examples
 --------
@@ -55,7 +54,6 @@ import gc
 import hashlib
 import logging
 import signal
-import struct
 import sys
 import threading
 import time
@@ -67,8 +65,6 @@ from typing import Any, TypeVar
 import psycopg
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message
 from psycopg import sql
-from psycopg.adapt import Buffer, Dumper
-from psycopg.pq import Format
 from psycopg.rows import DictRow, dict_row, tuple_row
 
 from consumers.ddl import create_tables, has_key_digest
@@ -137,80 +133,6 @@ class _Failed:
     """What ``prepare`` raised in the decode-ahead thread (raised again when applied)."""
 
     exc: Exception
-
-
-class _RawArray:
-    """A one-dimensional array already in PostgreSQL's binary format (``array_send``), sent
-    as a query parameter as is: :func:`_binary_array` builds it from elements the decode-ahead
-    thread encoded (:func:`_dedup_elements`), so the applying thread does not run psycopg's
-    per-element Python dumpers (~2 us per event for the five arrays of the dedup insert)."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-
-class _ByteaArray(_RawArray):
-    """A ``bytea[]`` in binary format."""
-
-
-class _TextArray(_RawArray):
-    """A ``text[]`` in binary format."""
-
-
-class _UuidArray(_RawArray):
-    """A ``uuid[]`` in binary format."""
-
-
-class _RawArrayDumper(Dumper):
-    """Sends a :class:`_RawArray`'s bytes unchanged (binary format)."""
-
-    format = Format.BINARY
-
-    def dump(self, obj: Any) -> Buffer | None:
-        data: bytes = obj.data
-        return data
-
-
-class _ByteaArrayDumper(_RawArrayDumper):
-    oid = 1001  # bytea[]
-
-
-class _TextArrayDumper(_RawArrayDumper):
-    oid = 1009  # text[]
-
-
-class _UuidArrayDumper(_RawArrayDumper):
-    oid = 2951  # uuid[]
-
-
-_I32 = struct.Struct(">i")
-_ARRAY_HEAD = struct.Struct(">iiIii")  # ndim 1, has-nulls flag, element oid, length, lower 1
-_LEN16 = _I32.pack(16)
-_NULL_ELEMENT = _I32.pack(-1)
-#: What one event contributes to the dedup insert's five arrays: binary array elements
-#: (length + bytes) of key_digest, dedup_key, event_type, event_id, job_id.
-DedupElements = tuple[bytes, bytes, bytes, bytes, bytes]
-
-
-def _dedup_elements(digest: bytes, event: Any) -> DedupElements:
-    """``event``'s elements of the dedup insert's arrays (:data:`DedupElements`), the bytes
-    psycopg's binary dumpers would send: UTF-8 text (strict: a lone surrogate raises
-    ``UnicodeEncodeError``), 16-byte UUIDs, a NULL ``job_id`` as length -1. Raises
-    ``AttributeError`` when an id is not a ``uuid.UUID`` (the caller then lets psycopg dump)."""
-    key = event.dedup_key.encode()
-    typ = event.event_type.encode()
-    job_id = event.job_id
-    return (_LEN16 + digest, _I32.pack(len(key)) + key, _I32.pack(len(typ)) + typ,
-            _LEN16 + event.event_id.bytes,
-            _NULL_ELEMENT if job_id is None else _LEN16 + job_id.bytes)
-
-
-def _binary_array(element_oid: int, elements: list[bytes]) -> bytes:
-    """A one-dimensional array in PostgreSQL's binary format from encoded ``elements``."""
-    return _ARRAY_HEAD.pack(1, int(_NULL_ELEMENT in elements), element_oid, len(elements),
-                            1) + b"".join(elements)
 
 
 def _call(hook: Callable[..., Any] | None, *args: Any, **kw: Any) -> None:
@@ -324,8 +246,6 @@ class IdempotentConsumer:
         self._prepared: dict[tuple[Any, Any, Any], Any] = {}
         # (dedup_key, event_type) -> its key_digest, computed by the decode-ahead thread.
         self._digests: dict[tuple[str, str], bytes] = {}
-        # position -> the event's elements of the dedup insert's arrays (decode-ahead thread).
-        self._dedup_rows: dict[tuple[Any, Any, Any], DedupElements] = {}
 
     # -- registration -------------------------------------------------------------------
 
@@ -510,9 +430,6 @@ class IdempotentConsumer:
             except psycopg.OperationalError as exc:
                 _call(self.hooks.db_failed, exc)
                 raise
-            for cls, dumper in ((_ByteaArray, _ByteaArrayDumper), (_TextArray, _TextArrayDumper),
-                                (_UuidArray, _UuidArrayDumper)):
-                self._conn.adapters.register_dumper(cls, dumper)
             try:
                 self._key_digest = has_key_digest(self._conn, self._table)
                 self._conn.commit()
@@ -623,7 +540,7 @@ class IdempotentConsumer:
         applied: list[Any] = []
         if first:
             with conn.transaction():
-                todo = self._new_events(conn, seen, first, msgs=msgs)
+                todo = self._new_events(conn, seen, first)
                 types = {ev.event_type for _, ev in todo}
                 one = next(iter(types)) if len(types) == 1 else None
                 if one is not None and one in self._batch_handlers:
@@ -675,35 +592,14 @@ class IdempotentConsumer:
         return out
 
     def _new_events(self, conn: psycopg.Connection[Any], seen: list[tuple[int, Any]],
-                    first: dict[tuple[str, str], tuple[int, Any]],
-                    msgs: list[Message] | None = None) -> list[tuple[int, Any]]:
+                    first: dict[tuple[str, str], tuple[int, Any]]) -> list[tuple[int, Any]]:
         """Record the batch's keys in ``processed_event`` (one statement, in ``conn``'s
         transaction) and return ``(index, event)`` of the events to apply: the first copy of
         each key that was new, in delivery order. ``seen``: every decoded ``(index, event)``;
-        ``first``: key -> its first copy; ``msgs``: the batch (to find what the decode-ahead
-        thread encoded for each first copy). Raises ``psycopg.Error`` (an event id reused by
+        ``first``: key -> its first copy. Raises ``psycopg.Error`` (an event id reused by
         another key: ``UniqueViolation``, the batch is then split)."""
-        cur = conn.cursor(row_factory=tuple_row)
-        query = sql.SQL(RECORD_PROCESSED_BATCH_DIGEST).format(table=self._table)
-        if self._key_digest and msgs is not None and self._dedup_rows:
-            pre_rows = self._dedup_rows
-            rows = [pre_rows.get((m.topic(), m.partition(), m.offset()))
-                    for m in (msgs[i] for i, _ in first.values())]
-            if None not in rows:
-                # The five arrays built from the decode-ahead thread's elements: the same
-                # bytes psycopg's dumpers send (tests/integration/test_consumer_key_digest.py).
-                cols = list(zip(*rows, strict=True))
-                by_digest = {d[4:]: key for d, key in zip(cols[0], first, strict=True)}
-                with _shape_changed(self):
-                    new = {by_digest[d] for d, in cur.execute(query, (
-                        self.group, _ByteaArray(_binary_array(17, list(cols[0]))),
-                        _TextArray(_binary_array(25, list(cols[1]))),
-                        _TextArray(_binary_array(25, list(cols[2]))),
-                        _UuidArray(_binary_array(2950, list(cols[3]))),
-                        _UuidArray(_binary_array(2950, list(cols[4])))),
-                        binary=True).fetchall()}
-                return [(i, ev) for key, (i, ev) in first.items() if key in new]
         events = [ev for _, ev in first.values()]
+        cur = conn.cursor(row_factory=tuple_row)
         keys = [e.dedup_key for e in events]
         types = [e.event_type for e in events]
         with _shape_changed(self):
@@ -714,8 +610,9 @@ class IdempotentConsumer:
                 by_digest = dict(zip(digests, zip(keys, types, strict=True), strict=True))
                 # The new rows' digests come back (16 bytes each, binary), not their texts.
                 new = {by_digest[d] for d, in cur.execute(
-                    query, (self.group, digests, keys, types, [e.event_id for e in events],
-                            [e.job_id for e in events]), binary=True).fetchall()}
+                    sql.SQL(RECORD_PROCESSED_BATCH_DIGEST).format(table=self._table),
+                    (self.group, digests, keys, types, [e.event_id for e in events],
+                     [e.job_id for e in events]), binary=True).fetchall()}
             else:
                 new = set(cur.execute(sql.SQL(RECORD_PROCESSED_BATCH).format(table=self._table), (
                     self.group, keys, types, [e.event_id for e in events],
@@ -864,19 +761,17 @@ class IdempotentConsumer:
             msgs.append(m)
         return msgs
 
-    def _decode_all(self, msgs: list[Message]) -> tuple[
-            dict[tuple[Any, Any, Any], Any], dict[tuple[Any, Any, Any], Any],
-            dict[tuple[str, str], bytes], dict[tuple[Any, Any, Any], DedupElements]]:
+    def _decode_all(self, msgs: list[Message]) -> tuple[dict[tuple[Any, Any, Any], Any],
+                                                        dict[tuple[Any, Any, Any], Any],
+                                                        dict[tuple[str, str], bytes]]:
         """Decode a batch (in the decode-ahead thread): position -> event, or the
         :class:`PoisonMessage` its decoding raised (dead-lettered when the batch is applied);
         position -> its type's ``prepare(event)`` (:meth:`on_batch`), or ``_Failed``; and
-        ``(dedup_key, event_type)`` -> its ``key_digest``; position -> its elements of the
-        dedup insert's arrays (:func:`_dedup_elements`). Reads only the messages' key and
+        ``(dedup_key, event_type)`` -> its ``key_digest``. Reads only the messages' key and
         value: the Kafka consumer stays in one thread."""
         decoded: dict[tuple[Any, Any, Any], Any] = {}
         prepared: dict[tuple[Any, Any, Any], Any] = {}
         digests: dict[tuple[str, str], bytes] = {}
-        dedup_rows: dict[tuple[Any, Any, Any], DedupElements] = {}
         prepares = self._prepare
         for m in msgs:
             pos = (m.topic(), m.partition(), m.offset())
@@ -886,21 +781,16 @@ class IdempotentConsumer:
                 decoded[pos] = exc
                 continue
             key = (event.dedup_key, event.event_type)
-            digest = digests.get(key)
-            if digest is None:
+            if key not in digests:
                 with contextlib.suppress(UnicodeEncodeError):  # raised again when applied
-                    digest = digests[key] = self._digest(event.event_type, event.dedup_key)
-            if digest is not None:
-                # not encodable here: the batch's arrays are dumped by psycopg when applied
-                with contextlib.suppress(UnicodeEncodeError, AttributeError):
-                    dedup_rows[pos] = _dedup_elements(digest, event)
+                    digests[key] = self._digest(event.event_type, event.dedup_key)
             prepare = prepares.get(event.event_type) if prepares else None
             if prepare is not None:
                 try:
                     prepared[pos] = prepare(event)
                 except Exception as exc:  # noqa: BLE001 - raised again when applied
                     prepared[pos] = _Failed(exc)
-        return decoded, prepared, digests, dedup_rows
+        return decoded, prepared, digests
 
     def run(self, *, idle_exit_s: float | None = None) -> ConsumerStats:
         """Consume until :meth:`stop` (or, with ``idle_exit_s``, until idle that long, in
@@ -950,8 +840,8 @@ class IdempotentConsumer:
                 if msgs:
                     last_msg = time.monotonic()
                 if decoder is None:
-                    current: tuple[list[Message], Any] | None = (
-                        (msgs, ({}, {}, {}, {})) if msgs else None)
+                    current: tuple[list[Message], Any] | None = ((msgs, ({}, {}, {})) if msgs
+                                                                 else None)
                 else:
                     current = None if pending is None else (pending[0], pending[1].result())
                     pending = (msgs, decoder.submit(self._decode_all, msgs)) if msgs else None
@@ -960,13 +850,11 @@ class IdempotentConsumer:
                             and time.monotonic() - last_msg > idle_exit_s):
                         break
                     continue
-                (self._predecoded, self._prepared, self._digests,
-                 self._dedup_rows) = current[1]
+                self._predecoded, self._prepared, self._digests = current[1]
                 try:
                     ok = self._apply(current[0])
                 finally:
                     self._predecoded, self._prepared, self._digests = {}, {}, {}
-                    self._dedup_rows = {}
                     self._headers.clear()
                 if not ok:
                     break

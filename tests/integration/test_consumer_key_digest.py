@@ -8,25 +8,13 @@ from __future__ import annotations
 
 import sys
 import threading
-import uuid
-from types import SimpleNamespace
 from typing import Any
 
 import psycopg
 import pytest
 
-from consumers import IdempotentConsumer, create_tables, idempotent
+from consumers import IdempotentConsumer, create_tables
 from consumers.ddl import KEY_DIGEST_SQL, key_digest, upgrade_tables
-from consumers.idempotent import (
-    _binary_array,
-    _ByteaArray,
-    _ByteaArrayDumper,
-    _dedup_elements,
-    _TextArray,
-    _TextArrayDumper,
-    _UuidArray,
-    _UuidArrayDumper,
-)
 from jobstream.producer import produce_raw
 from jobstream.settings import Settings
 from schemas.events import JobReady, encode_event
@@ -154,74 +142,3 @@ def test_event_id_reused_by_another_dedup_key_is_dead_lettered_and_its_batch_app
     assert _seen_rows(settings) == ["x", "y"]
     # decode_ahead: the GIL switch interval is switch_interval_s while run() runs, then restored
     assert set(seen["switch"]) == {0.0005} and sys.getswitchinterval() == before, seen
-
-
-def test_dedup_arrays_encoded_ahead_write_what_psycopg_dumps(settings: Settings) -> None:
-    """The dedup insert's arrays built from the decode-ahead thread's elements
-    (``_dedup_elements`` + ``_binary_array``) are the values psycopg's own dumpers send: the
-    same rows, non-ASCII text and a NULL job id included."""
-    events = [SimpleNamespace(dedup_key=k, event_type=t, event_id=uuid.uuid4(), job_id=j)
-              for k, t, j in (("k€y-ü", "job.réady", uuid.uuid4()), ("a" * 64, "job.ready", None),
-                              ("", "x", uuid.uuid4()))]
-    digests = [key_digest("g", e.event_type, e.dedup_key) for e in events]
-    rows = [_dedup_elements(d, e) for d, e in zip(digests, events, strict=True)]
-    cols = [list(c) for c in zip(*rows, strict=True)]
-    with psycopg.connect(settings.database_url) as conn:
-        conn.adapters.register_dumper(_ByteaArray, _ByteaArrayDumper)
-        conn.adapters.register_dumper(_TextArray, _TextArrayDumper)
-        conn.adapters.register_dumper(_UuidArray, _UuidArrayDumper)
-        q = ("SELECT u.* FROM unnest(%b::bytea[], %b::text[], %b::text[], %b::uuid[], "
-             "%b::uuid[]) WITH ORDINALITY AS u(d, k, t, e, j, n) ORDER BY n")
-        ours = conn.execute(q, (
-            _ByteaArray(_binary_array(17, cols[0])), _TextArray(_binary_array(25, cols[1])),
-            _TextArray(_binary_array(25, cols[2])), _UuidArray(_binary_array(2950, cols[3])),
-            _UuidArray(_binary_array(2950, cols[4])))).fetchall()
-        theirs = conn.execute(q, (
-            digests, [e.dedup_key for e in events], [e.event_type for e in events],
-            [e.event_id for e in events], [e.job_id for e in events])).fetchall()
-    assert ours == theirs
-    assert [(bytes(r[0]), r[1], r[2], r[3], r[4]) for r in ours] == [
-        (d, e.dedup_key, e.event_type, e.event_id, e.job_id)
-        for d, e in zip(digests, events, strict=True)]
-
-
-def test_a_batch_records_its_first_copies_through_the_arrays_encoded_ahead(
-        settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A batch with decode-ahead records each key's FIRST copy (its event id and job id) in
-    processed_event through the arrays the decode-ahead thread encoded; a second copy of a key
-    with another event id in the same batch is a duplicate."""
-    with psycopg.connect(settings.database_url) as conn:
-        create_tables(conn, SCHEMA)
-        conn.execute(f"CREATE TABLE {SCHEMA}.seen (name text PRIMARY KEY)")  # noqa: S608
-        conn.commit()
-    built: list[int] = []
-    real = idempotent._binary_array
-
-    def counting(oid: int, elements: list[bytes]) -> bytes:
-        built.append(oid)
-        return real(oid, elements)
-
-    monkeypatch.setattr(idempotent, "_binary_array", counting)
-    seen: dict[str, list[Any]] = {"applied": [], "duplicate": [], "dead": []}
-    consumer = _consumer(settings, seen)
-    x, y = _ready("x"), _ready("y")
-    x2 = x.model_copy(update={"event_id": uuid.uuid4(), "idempotency_key": "x2"})
-    produce_raw(settings, settings.topic("job.ready"),
-                [(b"k", encode_event(e)) for e in (x, y, x2)])
-    t = threading.Thread(target=consumer.run, daemon=True)
-    t.start()
-    try:
-        wait_for(lambda: _handled(seen) >= 3, 90, f"3 messages handled ({seen})")
-    finally:
-        consumer.stop()
-        t.join(30)
-    assert not t.is_alive()
-    assert sorted(seen["applied"]) == ["x", "y"] and seen["duplicate"] == ["x2"], seen
-    got = query(settings.database_url,
-                f"SELECT key_digest, consumer_group, dedup_key, event_type, event_id, job_id "  # noqa: S608
-                f"FROM {SCHEMA}.processed_event ORDER BY dedup_key")
-    assert [(bytes(r["key_digest"]), r["consumer_group"], r["dedup_key"], r["event_type"],
-             r["event_id"], r["job_id"]) for r in got] == sorted(
-        [(key_digest(consumer.group, e.event_type, e.dedup_key), consumer.group, e.dedup_key,
-          e.event_type, e.event_id, e.job_id) for e in (x, y)], key=lambda r: r[2])
-    assert built, "the batch's dedup arrays were not built from the decode-ahead elements"

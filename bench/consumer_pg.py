@@ -7,8 +7,9 @@ digests prepared beforehand, as the decode-ahead thread does) are applied the wa
 ``consumer_bench``), the binary ``COPY`` of the analysis rows, the binary ``COPY`` of the
 charges, commit. For each statement: the Postgres backend's CPU per event (``/proc``), the WAL
 bytes per event (``pg_current_wal_lsn()`` before and after: server-wide, so other sessions'
-writes count too on a shared server), and wall time. ``--variants`` compares the tables as they
-are (``base``) with migration 0031's shape and others. Also prints ``EXPLAIN (ANALYZE,
+writes count too on a shared server), and wall time. ``--variants`` compares the tables as the
+migrations make them (``base``: migration 0031's hash indexes) with ``btree_0002`` (the effect
+indexes before 0031) and other shapes (:data:`VARIANTS`). Also prints ``EXPLAIN (ANALYZE,
 BUFFERS, WAL)`` of one dedup insert and of the ``INSERT ... SELECT`` equivalents of the two
 COPYs (COPY cannot be explained) for the last batch.
 

@@ -1005,14 +1005,18 @@ class Store:
             conn.execute(Q["record_processed"], (group, claim.job.dedup_key, event_type,
                                                  event_id, job_id))
 
-    def release(self, claim: Claim, *, error_code: str, error: str) -> None:
-        """Give a stage back after a transient failure (fenced; no-op if fenced off)."""
+    def release(self, claim: Claim, *, error_code: str, error: str,
+                retry_wait_s: float = 0.0) -> None:
+        """Give a stage back after a transient failure (fenced; no-op if fenced off).
+        ``retry_wait_s``: seconds within which its retry is due (the sweeper counts a stall
+        only from then, :meth:`stalled_jobs`)."""
         with self.tx() as conn:
             try:
                 self._fence(conn, claim)
             except StaleRun:
                 return
             conn.execute(Q["release_stage"], {"error_code": error_code, "error": error[:4000],
+                                              "retry_wait_s": retry_wait_s,
                                               "job_id": claim.job.job_id,
                                               "stage": claim.stage,
                                               "run_token": claim.run_token})

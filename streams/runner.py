@@ -223,7 +223,10 @@ def run_stage(ctx: StageContext, ev: Any, *, plan: _Plan | None = None,
             # itself failed (Postgres restarting, a serialization failure): it rolled back, or
             # it committed and the fenced release finds the stage succeeded and changes nothing.
             with contextlib.suppress(RetryableError):
-                ctx.store.release(claim, error_code=exc.code, error=str(exc))
+                # Its retry (retry topic) is due within the cap, or the provider's
+                # Retry-After: the sweeper does not take it for a lost event meanwhile.
+                ctx.store.release(claim, error_code=exc.code, error=str(exc), retry_wait_s=max(
+                    ctx.settings.retry_cap_s, getattr(exc, "retry_after_s", None) or 0.0))
             raise
         return "done"
     except JobCancelled:

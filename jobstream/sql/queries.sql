@@ -251,10 +251,13 @@ UPDATE job_stage SET status = 'pending', run_token = NULL, lease_until = NULL, u
 
 -- name: release_stage
 -- Fenced: a run that hit a transient failure gives the stage back so a retry can claim it
--- at once instead of waiting for the lease to expire.
+-- at once instead of waiting for the lease to expire. ``lease_until`` of the pending row: when
+-- its retry is due at the latest (%(retry_wait_s)s: the retry topic's cap or the provider's
+-- Retry-After); the sweeper's stall clock starts there (stalled_jobs), not at the checkpoint.
 UPDATE job_stage
-   SET status = 'pending', run_token = NULL, lease_until = NULL, error_code = %(error_code)s,
-       error = %(error)s, updated_at = now()
+   SET status = 'pending', run_token = NULL,
+       lease_until = now() + make_interval(secs => %(retry_wait_s)s),
+       error_code = %(error_code)s, error = %(error)s, updated_at = now()
  WHERE job_id = %(job_id)s AND stage = %(stage)s AND run_token = %(run_token)s
    AND status = 'running';
 
@@ -378,18 +381,22 @@ SELECT s.job_id, s.stage, s.run_token, s.attempt, s.lease_until FROM job_stage s
 -- sweeper re-emits that event. %(stages)s / %(nexts)s: each stage paired with the one after it.
 -- A job with a row still in the outbox (published rows are deleted) is left alone: the relay
 -- is behind or parked it, the event is not lost. %(job_id)s: one job (the re-check, under the
--- job's row lock), or NULL for every job.
+-- job's row lock), or NULL for every job. A pending next stage counts from its own last
+-- change too, and from when its retry is due (release_stage's lease_until): a stage given back
+-- after a transient failure waits for its event in a retry topic, it is not lost (breaker4:
+-- tests/e2e/test_break_stall_reemit.py).
 SELECT j.job_id, p.next AS stage, p.stage AS checkpoint, s.emitted
   FROM job j
   JOIN job_stage s ON s.job_id = j.job_id AND s.status = 'succeeded'
   JOIN unnest(%(stages)s::text[], %(nexts)s::text[]) AS p (stage, next) ON p.stage = s.stage
+  LEFT JOIN job_stage n ON n.job_id = j.job_id AND n.stage = p.next
  WHERE j.status IN ('queued', 'running') AND NOT j.cancel_requested
    AND (%(job_id)s::uuid IS NULL OR j.job_id = %(job_id)s::uuid)
-   AND greatest(s.updated_at, j.updated_at, j.swept_at)  -- greatest() skips NULL
+   AND (n.status IS NULL OR n.status = 'pending')
+   AND greatest(s.updated_at, j.updated_at, j.swept_at, n.updated_at, n.lease_until)
        < now() - make_interval(secs => %(grace_s)s * power(2, least(j.sweeps, 6)))
+       -- greatest() skips NULL
    AND NOT EXISTS (SELECT 1 FROM outbox o WHERE o.kafka_key = j.job_id::text)
-   AND NOT EXISTS (SELECT 1 FROM job_stage n
-                    WHERE n.job_id = j.job_id AND n.stage = p.next AND n.status <> 'pending')
  ORDER BY s.updated_at LIMIT 100;
 
 -- name: succeed_job

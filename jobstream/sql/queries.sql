@@ -605,11 +605,6 @@ SELECT set_config('idle_session_timeout', %(ms)s, false),
 -- The active relay's sign of life on its lock session (see relay_lock_session_timeout).
 SELECT 1 AS alive;
 
--- name: relay_arm_notify
--- The active relay arms (1) or disarms (0) the outbox trigger's NOTIFY (migration 0025): a
--- sequence, so writers see it at once, whatever their snapshot.
-SELECT setval('outbox_relay_armed', %s, true) AS armed;
-
 -- name: relay_try_lock
 -- One active relay (others stand by): a session-level advisory lock held while relaying.
 SELECT pg_try_advisory_lock(%s) AS locked;

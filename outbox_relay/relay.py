@@ -288,13 +288,15 @@ class OutboxRelay:
         return len(rows)
 
     def _fetch(self, conn: Conn) -> list[tuple[Any, ...]]:
-        """The next rows to produce, in id order (see the comment above :meth:`pump`)."""
+        """The next rows to produce, in id order (see the comment above :meth:`pump`). Read in
+        binary: the payload (bytea) comes as its bytes instead of hex text that Postgres
+        encodes and the client decodes (~1 us less per row on each side, bench/README.md)."""
         n, st = self.settings.relay_batch_size, self.settings
         now = time.monotonic()
         if self._draining and now - self._last_rescan < st.relay_rescan_s:
             self.mark(conn)  # on the marker thread: rows after _hwm only are read here
             self.stats.transactions += 1
-            with conn.cursor(row_factory=tuple_row) as cur:
+            with conn.cursor(row_factory=tuple_row, binary=True) as cur:
                 rows = cur.execute(Q["outbox_fetch_after"], (self._hwm, n)).fetchall()
         else:
             floors = self._floors
@@ -314,7 +316,7 @@ class OutboxRelay:
             ids = self._take_acked()
             skip = list(pending.keys() | marking | set(ids))
             self.stats.transactions += 1
-            with conn.cursor(row_factory=tuple_row) as cur:
+            with conn.cursor(row_factory=tuple_row, binary=True) as cur:
                 rows = cur.execute(Q["outbox_delete_and_fetch"],
                                    {"floor": floor, "hwm": hwm, "skip": skip, "n": n,
                                     **delete_params(ids, self._acked_at,

@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -233,3 +234,39 @@ def pyplot() -> Any:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def pyspy_record(pid: int, out: Path, *options: str, rate: int = 100
+                 ) -> subprocess.Popen[bytes] | None:
+    """``py-spy record`` of process ``pid`` into ``out`` (raw collapsed stacks, ``rate``
+    samples per second, plus py-spy ``options`` such as ``--gil`` or ``--idle --threads``)
+    until :func:`pyspy_stacks`; None when py-spy is not installed."""
+    try:
+        return subprocess.Popen(["py-spy", "record", "-p", str(pid), "-r", str(rate),
+                                 "--format", "raw", *options, "-o", str(out), "--nonblocking"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except FileNotFoundError:
+        return None
+
+
+def pyspy_stacks(proc: subprocess.Popen[bytes] | None, out: Path
+                 ) -> list[tuple[list[str], int]] | None:
+    """Stop a :func:`pyspy_record` (SIGINT: py-spy then writes its file; killed after 30 s)
+    and read it: one ``(frames, samples)`` per collapsed stack, frames outermost first (the
+    first is the thread with ``--threads``). None when nothing was recorded."""
+    if proc is None:
+        return None
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+    if not out.exists():
+        return None
+    stacks = []
+    for line in out.read_text(errors="replace").splitlines():
+        stack, _, n = line.rpartition(" ")
+        if n.isdigit():
+            stacks.append((stack.split(";"), int(n)))
+    return stacks

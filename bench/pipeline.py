@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import time
 import uuid
@@ -62,6 +61,8 @@ from bench.common import (
     machine,
     pct,
     pyplot,
+    pyspy_record,
+    pyspy_stacks,
     start_cli,
     stop,
 )
@@ -240,12 +241,7 @@ def statements_per_job(url: str, jobs: int, top: int = 60) -> dict[str, Any]:
 def start_profiler(pid: int, out: Path) -> subprocess.Popen[bytes] | None:
     """``py-spy record --gil`` of ``pid`` (collapsed stacks; only samples holding the GIL,
     i.e. Python CPU) until stopped with :func:`stop_profiler`; None without py-spy."""
-    try:
-        return subprocess.Popen(["py-spy", "record", "-p", str(pid), "-r", "200", "--format",
-                                 "raw", "--gil", "-o", str(out), "--nonblocking"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    except FileNotFoundError:
-        return None
+    return pyspy_record(pid, out, "--gil", rate=200)
 
 
 def _frame(raw: str) -> str:
@@ -261,26 +257,15 @@ def stop_profiler(proc: subprocess.Popen[bytes] | None, out: Path, top: int = 25
     """Stop a :func:`start_profiler` (SIGINT: py-spy writes its file) and summarise the
     collapsed stacks: the share of samples per function, self (the innermost frame) and
     inclusive (anywhere in the stack), ours (repository code) marked by their path."""
-    if proc is None:
-        return None
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
-    if not out.exists():
+    stacks = pyspy_stacks(proc, out)
+    if stacks is None:
         return None
     own: Counter[str] = Counter()
     incl: Counter[str] = Counter()
     total = 0
-    for line in out.read_text(errors="replace").splitlines():
-        stack, _, n = line.rpartition(" ")
-        if not n.isdigit():
-            continue
-        count = int(n)
+    for raw, count in stacks:
         total += count
-        frames = [_frame(f) for f in stack.split(";")]
+        frames = [_frame(f) for f in raw]
         own[frames[-1]] += count
         for f in set(frames):
             incl[f] += count

@@ -47,7 +47,6 @@ import json
 import multiprocessing as mp
 import os
 import re
-import signal
 import subprocess
 import threading
 import time
@@ -70,6 +69,8 @@ from bench.common import (
     log,
     machine,
     pyplot,
+    pyspy_record,
+    pyspy_stacks,
     start_cli,
     stop,
 )
@@ -393,12 +394,7 @@ class WaitSampler(threading.Thread):
 def start_pyspy(pid: int, out: Path) -> subprocess.Popen[bytes] | None:
     """``py-spy record --idle --threads`` of ``pid`` (wall clock: waits included, per thread)
     until :func:`stop_pyspy`; None without py-spy."""
-    try:
-        return subprocess.Popen(["py-spy", "record", "-p", str(pid), "-r", "100", "--format",
-                                 "raw", "--idle", "--threads", "-o", str(out), "--nonblocking"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    except FileNotFoundError:
-        return None
+    return pyspy_record(pid, out, "--idle", "--threads", rate=100)
 
 
 def stop_pyspy(proc: subprocess.Popen[bytes] | None, out: Path, top: int = 20
@@ -406,25 +402,14 @@ def stop_pyspy(proc: subprocess.Popen[bytes] | None, out: Path, top: int = 20
     """Stop :func:`start_pyspy` and summarise its stacks: per thread, the share of its
     samples by innermost function (wall clock, so a wait on a socket shows as the call that
     waits)."""
-    if proc is None:
-        return None
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
-    if not out.exists():
+    stacks = pyspy_stacks(proc, out)
+    if stacks is None:
         return None
     per: dict[str, Counter[str]] = {}
-    for line in out.read_text(errors="replace").splitlines():
-        stack, _, n = line.rpartition(" ")
-        if not n.isdigit():
-            continue
-        frames = stack.split(";")
+    for frames, n in stacks:
         thread = re.sub(r" \(\d+\)$", "", frames[0].strip("\""))
         leaf = re.sub(r" \(/.*/", " (", frames[-1])
-        per.setdefault(thread, Counter())[leaf] += int(n)
+        per.setdefault(thread, Counter())[leaf] += n
     return {"file": str(out), "threads": {
         t: {"samples": sum(c.values()), "self_pct": {
             k: round(100 * v / sum(c.values()), 1) for k, v in c.most_common(top)}}

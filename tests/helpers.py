@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import psycopg
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from psycopg import sql
 from psycopg.rows import dict_row
 
 from jobstream.drills.procs import Proc, child_env
@@ -200,3 +202,82 @@ def job_ready(name: str, *, charge_usd: float = 0.5) -> Any:
             result=DocumentAnalysis(title=name, summary="s", keywords=["a"], word_count=1,
                                     chunk_count=1, fields={}),
             document_sha256="a" * 64, filename=name, cost_usd=0.0, charge_usd=charge_usd))
+
+
+@contextmanager
+def database_before(server_url: str, version: int) -> Iterator[str]:
+    """A fresh database migrated only up to (not including) migration ``version``, the way
+    the release before it left a database: yields its URL (the server of ``server_url``),
+    dropped (``WITH (FORCE)``) on exit. For upgrade tests: write rows the old way, then
+    :func:`jobstream.db.migrate` and check them."""
+    from jobstream.db import QUERIES, connect, migration_files
+    name = f"jobstream_m_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    url = psycopg.conninfo.make_conninfo(server_url, dbname=name)
+    try:
+        with connect(url) as conn, conn.transaction():
+            conn.execute(QUERIES["create_migration_table"])
+            for v, fname, text in migration_files():
+                if v < version:
+                    conn.execute(text)
+                    conn.execute(QUERIES["record_migration"], (v, fname))
+        yield url
+    finally:
+        with psycopg.connect(server_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                sql.Identifier(name)))
+
+
+def count(settings: Settings, q: str, params: tuple[Any, ...] = ()) -> int:
+    """``q``'s first row's ``n`` column (a ``SELECT count(*) AS n ...``) in the test's
+    database."""
+    return int(query(settings.database_url, q, params)[0]["n"])
+
+
+def assert_each_document_accepted_once(settings: Settings, keys: list[str]) -> None:
+    """Intake's exactly-once check: one job, one ``job_request`` and one ``job.accepted``
+    outbox row per idempotency key in ``keys`` (duplicates in the input were replays), and
+    nothing on ``document.uploaded``'s dead-letter topic.
+
+    Raises AssertionError naming what differs."""
+    got = sorted(r["idempotency_key"] for r in query(
+        settings.database_url, "SELECT idempotency_key FROM job"))
+    assert got == sorted(keys), f"jobs {got} != documents {sorted(keys)}"
+    accepted = count(settings, "SELECT count(*) AS n FROM outbox WHERE event_type = "
+                               "'job.accepted'")
+    assert accepted == len(keys), f"{accepted} job.accepted rows for {len(keys)} documents"
+    assert count(settings, "SELECT count(*) AS n FROM job_request") == len(keys)
+    assert not read_topic(settings, settings.topic("document.uploaded") + ".dlq")
+
+
+def library_consumer(settings: Settings, schema: str, seen: dict[str, list[Any]],
+                     **settings_kw: Any) -> Any:
+    """The consumer library (:class:`consumers.IdempotentConsumer`) standalone on ``schema``
+    of the test's database and topic prefix, group ``<prefix>lib``, with a 5 s dead-letter
+    produce timeout (``settings_kw`` overrides any :class:`consumers.ConsumerSettings`
+    field). Its callbacks record into ``seen`` when the key is there: ``"applied"`` and
+    ``"duplicate"`` get the event's idempotency key, ``"dead"`` the dead letter's error
+    code. The caller registers its handlers with ``@consumer.on(...)``."""
+    from consumers import ConsumerSettings, IdempotentConsumer
+    kw: dict[str, Any] = {"bootstrap_servers": settings.kafka_bootstrap_servers,
+                          "dsn": settings.database_url, "group": settings.group("lib"),
+                          "db_schema": schema, "topic_prefix": settings.topic_prefix,
+                          "dlq_produce_timeout_s": 5, **settings_kw}
+
+    def record(key: str) -> Callable[[Any], None] | None:
+        return (lambda ev: seen[key].append(ev.idempotency_key)) if key in seen else None
+
+    dead = seen.get("dead")
+    return IdempotentConsumer(
+        ConsumerSettings(**kw), on_applied=record("applied"), on_duplicate=record("duplicate"),
+        on_dead_lettered=(lambda code, reason: dead.append(code)) if dead is not None else None)
+
+
+def outbox_events(settings: Settings, event_type: str) -> list[Any]:
+    """Every ``event_type`` event still in the test database's outbox, oldest first, decoded
+    to its pydantic model (:func:`schemas.events.decode_event`; raises on a malformed row)."""
+    from schemas.events import decode_event
+    rows = query(settings.database_url, "SELECT payload FROM outbox WHERE event_type = %s "
+                 "ORDER BY id", (event_type,))
+    return [decode_event(bytes(r["payload"]), expected=event_type) for r in rows]

@@ -20,11 +20,11 @@ import orjson
 import psycopg
 import pytest
 
-from consumers import ConsumerSettings, IdempotentConsumer, create_tables
+from consumers import create_tables
 from jobstream.producer import produce_raw
 from jobstream.settings import Settings
 from schemas.events import DocumentAnalysis, JobReady, encode_event
-from tests.helpers import job_ready, query, read_topic, wait_for
+from tests.helpers import job_ready, library_consumer, query, read_topic, wait_for
 
 pytestmark = pytest.mark.e2e
 SCHEMA = "lib_break"
@@ -36,13 +36,7 @@ def test_a_value_over_a_postgres_limit_is_dead_lettered_not_retried_forever(
         create_tables(conn, SCHEMA)
         conn.execute(f"CREATE TABLE {SCHEMA}.result (summary text UNIQUE)")  # noqa: S608
     seen: dict[str, list[Any]] = {"applied": [], "dead": []}
-    cs = ConsumerSettings(bootstrap_servers=settings.kafka_bootstrap_servers,
-                          dsn=settings.database_url, group=settings.group("lib"),
-                          db_schema=SCHEMA, topic_prefix=settings.topic_prefix,
-                          dlq_produce_timeout_s=5)
-    consumer = IdempotentConsumer(
-        cs, on_applied=lambda ev: seen["applied"].append(ev.idempotency_key),
-        on_dead_lettered=lambda code, reason: seen["dead"].append(code))
+    consumer = library_consumer(settings, SCHEMA, seen)
 
     @consumer.on(JobReady)
     def apply(tx: psycopg.Connection, event: JobReady) -> None:

@@ -12,7 +12,14 @@ from jobstream.kafka import group_lag
 from jobstream.producer import produce_raw
 from jobstream.settings import Settings
 from schemas.events import DocumentUploaded, encode_event
-from tests.helpers import ProcessRunner, query, read_topic, wait_for
+from tests.helpers import (
+    ProcessRunner,
+    assert_each_document_accepted_once,
+    count,
+    query,
+    read_topic,
+    wait_for,
+)
 from tests.helpers import text_uploaded as _uploaded
 
 pytestmark = pytest.mark.e2e
@@ -20,10 +27,6 @@ pytestmark = pytest.mark.e2e
 
 def _kv(ev: DocumentUploaded) -> tuple[bytes, bytes]:
     return ev.idempotency_key.encode(), encode_event(ev)
-
-
-def _count(settings: Settings, sql: str) -> int:
-    return int(query(settings.database_url, sql)[0]["n"])
 
 
 def _drained(settings: Settings) -> bool:
@@ -50,9 +53,9 @@ def test_burst_with_duplicates_and_hostile_events_one_job_per_document_and_dead_
 
     jobs = query(settings.database_url, "SELECT idempotency_key, created_at FROM job")
     assert sorted(j["idempotency_key"] for j in jobs) == sorted(d.idempotency_key for d in docs)
-    assert _count(settings, "SELECT count(*) AS n FROM outbox WHERE event_type = "
+    assert count(settings, "SELECT count(*) AS n FROM outbox WHERE event_type = "
                             "'job.accepted'") == len(docs)
-    assert _count(settings, "SELECT count(*) AS n FROM job_stage WHERE stage = 'intake'"
+    assert count(settings, "SELECT count(*) AS n FROM job_stage WHERE stage = 'intake'"
                   ) == len(docs)
     # Accepted in batches: jobs share their transaction's timestamp.
     assert len({j["created_at"] for j in jobs}) < len(docs), jobs
@@ -68,7 +71,7 @@ def test_burst_with_duplicates_and_hostile_events_one_job_per_document_and_dead_
     reasons = sorted(dict(m.headers())["dlq_reason_code"].decode() for m in dlq)
     assert reasons == ["document_hash_mismatch", "idempotency_key_conflict", "not_json"], reasons
     assert all(dict(m.headers())["dlq_reason"] for m in dlq)
-    assert _count(settings, "SELECT count(*) AS n FROM dead_letter") == 0  # the DLQ took them
+    assert count(settings, "SELECT count(*) AS n FROM dead_letter") == 0  # the DLQ took them
 
 
 @pytest.mark.parametrize("fault", ["intake_batch_before_commit",
@@ -83,7 +86,7 @@ def test_worker_killed_mid_batch_loses_nothing_and_duplicates_nothing(
     wait_for(lambda: first.popen.poll() is not None, 90, f"the worker to kill itself at {fault}",
              procs.logs)
     assert "[fault]" in first.log_text(), first.log_text()[-3000:]
-    at_kill = _count(settings, "SELECT count(*) AS n FROM job")
+    at_kill = count(settings, "SELECT count(*) AS n FROM job")
     if fault.startswith("intake_batch_before_commit"):
         assert at_kill == 0  # the first batch never committed
     else:
@@ -92,13 +95,7 @@ def test_worker_killed_mid_batch_loses_nothing_and_duplicates_nothing(
     second = procs.start("worker", "--stages", "intake")
     wait_for(lambda: _drained(settings), 120, "document.uploaded consumed and committed",
              procs.logs, every_s=1.0)
-    assert sorted(r["idempotency_key"] for r in query(
-        settings.database_url, "SELECT idempotency_key FROM job")) == sorted(
-        d.idempotency_key for d in docs)
-    assert _count(settings, "SELECT count(*) AS n FROM outbox WHERE event_type = "
-                            "'job.accepted'") == len(docs)
-    assert _count(settings, "SELECT count(*) AS n FROM job_request") == len(docs)
-    assert not read_topic(settings, topic + ".dlq")
+    assert_each_document_accepted_once(settings, [d.idempotency_key for d in docs])
     if not fault.startswith("intake_batch_before_commit"):
         # The committed batch came again and was a replay.
         assert "dedup='replayed'" in second.log_text(), second.log_text()[-3000:]

@@ -98,69 +98,79 @@ def test_connection_starvation_is_reported_and_recovers_without_operator(
     common = {"JOBSTREAM_HEALTH_FAIL_AFTER_S": "3", "JOBSTREAM_HEALTH_PROBE_INTERVAL_S": "1",
               "JOBSTREAM_DB_POOL_MAX_IDLE_S": "2", "JOBSTREAM_DB_POOL_TIMEOUT_S": "5"}
     url, tenant, n = ps.database_url, "starved", 10
-    hog: list[psycopg.Connection] = []
     try:
-        procs: dict[str, Proc] = {}
-        for name in ("relay", "worker-1", "worker-2"):
-            procs[name] = runner.start(name.split("-")[0], name=name,
-                                       JOBSTREAM_HEALTH_PORT=str(ports[name]), **common)
-        for name in procs:
-            wait_for(lambda name=name: _health(ports[name])[0] == 200, 60,
-                     f"{name} to be ready", runner.logs)
-        # Another client takes every connection Postgres has left (and, below, every one an
-        # idle pool gives back while the starvation lasts).
-        def grab() -> None:
-            while len(hog) < MAX_CONNECTIONS + 5:
-                try:
-                    hog.append(psycopg.connect(url, connect_timeout=5))
-                except psycopg.OperationalError as exc:
-                    assert "too many clients" in str(exc) or "remaining conn" in str(exc), exc
-                    return
-        grab()
-        assert len(hog) < MAX_CONNECTIONS + 5, "max_connections is not in force"
-        starved_at = time.monotonic()
-        _submit(ps, tmp_path / "docs", tenant, n)
-        procs["consume-ready"] = runner.start(
-            "consume-ready", JOBSTREAM_HEALTH_PORT=str(ports["consume-ready"]), **common)
-        # Readiness reports the starvation while it lasts.
-        code, body = wait_for(
-            lambda: (r := _health(ports["consume-ready"]))[0] == 503 and r, 30,
-            "consume-ready to report unhealthy", runner.logs)
-        assert body["status"] == "unhealthy" and body["db_failing_for_s"] >= 3, body
-        assert "too many clients" in (body["last_error"] or ""), body
-        with hog[0].transaction():  # nothing applied yet (asked on a hogged connection)
-            assert hog[0].execute("SELECT count(*) FROM downstream.ledger_charge WHERE "
-                                  "tenant_id = %s", (tenant,)).fetchone()[0] == 0
-        while time.monotonic() - starved_at < 15:
+        hog: list[psycopg.Connection] = []
+        try:
+            procs: dict[str, Proc] = {}
+            for name in ("relay", "worker-1", "worker-2"):
+                procs[name] = runner.start(name.split("-")[0], name=name,
+                                           JOBSTREAM_HEALTH_PORT=str(ports[name]), **common)
+            for name in procs:
+                wait_for(lambda name=name: _health(ports[name])[0] == 200, 60,
+                         f"{name} to be ready", runner.logs)
+            # Another client takes every connection Postgres has left (and, below, every one an
+            # idle pool gives back while the starvation lasts).
+            def grab() -> None:
+                while len(hog) < MAX_CONNECTIONS + 5:
+                    try:
+                        hog.append(psycopg.connect(url, connect_timeout=5))
+                    except psycopg.OperationalError as exc:
+                        assert "too many clients" in str(exc) or "remaining conn" in str(exc), exc
+                        return
             grab()
-            time.sleep(0.2)
-        assert _health(ports["consume-ready"])[0] == 503, "healthy while still starved"
-    finally:
-        for conn in hog:
-            conn.close()
-    # The connections are back: everything finishes by itself, each job applied once.
-    wait_for(lambda: _applied(url, tenant) == n, 180, f"all {n} jobs applied",
-             runner.logs, every_s=1)
-    wait_for(lambda: all(_health(p)[0] == 200 for p in ports.values()), 30,
-             "every process to be ready again", lambda: str({n_: _health(p) for n_, p in
-                                                             ports.items()}))
-    charges = query(url, "SELECT dedup_key, count(*) AS n FROM downstream.ledger_charge "
-                         "WHERE tenant_id = %s GROUP BY 1", (tenant,))
-    assert len(charges) == n and all(c["n"] == 1 for c in charges), charges
-    logs = procs["consume-ready"].log_text()
-    # One line per outage, not per retry (a connection an idle pool gave back may end one
-    # early and start another).
-    assert 1 <= logs.count("database unreachable") <= 3, logs[-3000:]
-    assert "database reachable again after" in logs, logs[-3000:]
-    # Idle workers give their pooled connections back (a probe keeps at most one each).
-    wait_for(lambda: query(url, "SELECT count(*) AS n FROM pg_stat_activity WHERE "
-                                "application_name = 'jobstream-worker'")[0]["n"] <= 2, 30,
-             "idle workers to release their connections", runner.logs)
-    report = verify.run(ps, tenant=tenant, grace_s=0, outbox_age_s=0, max_lag=0,
-                        checks=["applied_twice", "not_applied", "stuck_jobs",
-                                "stranded_stages", "outbox_unpublished", "paid_twice"])
-    assert not report.broken and not report.errors, report.text()
-    runner.stop_all()
+            assert len(hog) < MAX_CONNECTIONS + 5, "max_connections is not in force"
+            starved_at = time.monotonic()
+            _submit(ps, tmp_path / "docs", tenant, n)
+            procs["consume-ready"] = runner.start(
+                "consume-ready", JOBSTREAM_HEALTH_PORT=str(ports["consume-ready"]), **common)
+            # Readiness reports the starvation while it lasts.
+            code, body = wait_for(
+                lambda: (r := _health(ports["consume-ready"]))[0] == 503 and r, 30,
+                "consume-ready to report unhealthy", runner.logs)
+            assert body["status"] == "unhealthy" and body["db_failing_for_s"] >= 3, body
+            assert "too many clients" in (body["last_error"] or ""), body
+            with hog[0].transaction():  # nothing applied yet (asked on a hogged connection)
+                assert hog[0].execute("SELECT count(*) FROM downstream.ledger_charge WHERE "
+                                      "tenant_id = %s", (tenant,)).fetchone()[0] == 0
+            while time.monotonic() - starved_at < 15:
+                grab()
+                time.sleep(0.2)
+
+            # Still starved, still reported. A connection an idle pool gave back can let one
+            # readiness probe through before the hog takes it (healthy for up to fail_after); the
+            # next probes fail again, so readiness must come back to 503 while this lasts.
+            def reported_starved() -> bool:
+                grab()
+                return _health(ports["consume-ready"])[0] == 503
+            wait_for(reported_starved, 20, "consume-ready to report unhealthy while still starved",
+                     runner.logs, every_s=0.2)
+        finally:
+            for conn in hog:
+                conn.close()
+        # The connections are back: everything finishes by itself, each job applied once.
+        wait_for(lambda: _applied(url, tenant) == n, 180, f"all {n} jobs applied",
+                 runner.logs, every_s=1)
+        wait_for(lambda: all(_health(p)[0] == 200 for p in ports.values()), 30,
+                 "every process to be ready again", lambda: str({n_: _health(p) for n_, p in
+                                                                 ports.items()}))
+        charges = query(url, "SELECT dedup_key, count(*) AS n FROM downstream.ledger_charge "
+                             "WHERE tenant_id = %s GROUP BY 1", (tenant,))
+        assert len(charges) == n and all(c["n"] == 1 for c in charges), charges
+        logs = procs["consume-ready"].log_text()
+        # One line per outage, not per retry (a connection an idle pool gave back may end one
+        # early and start another).
+        assert 1 <= logs.count("database unreachable") <= 3, logs[-3000:]
+        assert "database reachable again after" in logs, logs[-3000:]
+        # Idle workers give their pooled connections back (a probe keeps at most one each).
+        wait_for(lambda: query(url, "SELECT count(*) AS n FROM pg_stat_activity WHERE "
+                                    "application_name = 'jobstream-worker'")[0]["n"] <= 2, 30,
+                 "idle workers to release their connections", runner.logs)
+        report = verify.run(ps, tenant=tenant, grace_s=0, outbox_age_s=0, max_lag=0,
+                            checks=["applied_twice", "not_applied", "stuck_jobs",
+                                    "stranded_stages", "outbox_unpublished", "paid_twice"])
+        assert not report.broken and not report.errors, report.text()
+    finally:  # also when an assertion fails: no process outlives its test
+        runner.stop_all()
 
 
 def _outage_over(log: str) -> bool:

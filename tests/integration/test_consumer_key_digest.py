@@ -13,13 +13,13 @@ from typing import Any
 import psycopg
 import pytest
 
-from consumers import ConsumerSettings, IdempotentConsumer, create_tables
+from consumers import IdempotentConsumer, create_tables
 from consumers.ddl import KEY_DIGEST_SQL, key_digest, upgrade_tables
 from jobstream.producer import produce_raw
 from jobstream.settings import Settings
 from schemas.events import JobReady, encode_event
 from tests.helpers import job_ready as _ready
-from tests.helpers import query, wait_for
+from tests.helpers import library_consumer, query, wait_for
 
 pytestmark = pytest.mark.integration
 SCHEMA = "lib_digest"
@@ -44,14 +44,7 @@ CREATE UNIQUE INDEX processed_event_event_id ON {SCHEMA}.processed_event (consum
 def _consumer(settings: Settings, seen: dict[str, list[Any]]) -> IdempotentConsumer:
     """The library standalone on ``SCHEMA``; its handler records each applied name in
     ``seen.name`` and the interpreter's GIL switch interval in ``seen["switch"]``."""
-    cs = ConsumerSettings(bootstrap_servers=settings.kafka_bootstrap_servers,
-                          dsn=settings.database_url, group=settings.group("lib"),
-                          db_schema=SCHEMA, topic_prefix=settings.topic_prefix,
-                          dlq_produce_timeout_s=5)
-    consumer = IdempotentConsumer(
-        cs, on_applied=lambda ev: seen["applied"].append(ev.idempotency_key),
-        on_duplicate=lambda ev: seen["duplicate"].append(ev.idempotency_key),
-        on_dead_lettered=lambda code, reason: seen["dead"].append(code))
+    consumer = library_consumer(settings, SCHEMA, seen)
 
     @consumer.on(JobReady)
     def apply(tx: psycopg.Connection, event: JobReady) -> None:

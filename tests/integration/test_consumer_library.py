@@ -13,12 +13,12 @@ from typing import Any
 import psycopg
 import pytest
 
-from consumers import ConsumerSettings, IdempotentConsumer, create_tables
+from consumers import create_tables
 from jobstream.producer import produce_raw
 from jobstream.settings import Settings
 from schemas.events import JobReady, encode_event
 from tests.helpers import job_ready as _ready
-from tests.helpers import query, read_topic, set_topic_config, wait_for
+from tests.helpers import library_consumer, query, read_topic, set_topic_config, wait_for
 
 pytestmark = pytest.mark.integration
 SCHEMA = "lib_test"
@@ -27,20 +27,13 @@ SCHEMA = "lib_test"
 def test_standalone_library_routes_applies_and_collects(settings: Settings) -> None:
     dlq = settings.topic("job.ready.dlq")
     set_topic_config(settings, dlq, "max.message.bytes", "2000")
-    cs = ConsumerSettings(bootstrap_servers=settings.kafka_bootstrap_servers,
-                          dsn=settings.database_url, group=settings.group("lib"),
-                          db_schema=SCHEMA, topic_prefix=settings.topic_prefix,
-                          poison_after=2, dlq_produce_timeout_s=5, batch_size=1)
     with psycopg.connect(settings.database_url) as conn:
         create_tables(conn, SCHEMA)
         create_tables(conn, SCHEMA)  # idempotent
         conn.execute(f"CREATE TABLE {SCHEMA}.seen (name text PRIMARY KEY)")  # noqa: S608
         conn.commit()
     seen: dict[str, list[Any]] = {"applied": [], "duplicate": [], "dead": []}
-    consumer = IdempotentConsumer(
-        cs, on_applied=lambda ev: seen["applied"].append(ev.idempotency_key),
-        on_duplicate=lambda ev: seen["duplicate"].append(ev.idempotency_key),
-        on_dead_lettered=lambda code, reason: seen["dead"].append(code))
+    consumer = library_consumer(settings, SCHEMA, seen, poison_after=2, batch_size=1)
 
     @consumer.on(JobReady)
     def apply(tx: psycopg.Connection, event: JobReady) -> None:
@@ -70,7 +63,7 @@ def test_standalone_library_routes_applies_and_collects(settings: Settings) -> N
     rows = query(settings.database_url,  # the big poison: refused by the DLQ, kept in the table
                  f"SELECT consumer_group, value, dlq_error FROM {SCHEMA}.dead_letter")  # noqa: S608
     assert len(rows) == 1 and bytes(rows[0]["value"]) == big_poison, rows
-    assert rows[0]["consumer_group"] == cs.group
+    assert rows[0]["consumer_group"] == consumer.settings.group
     assert query(settings.database_url, "SELECT count(*) AS n FROM public.dead_letter"
                  )[0]["n"] == 0
     codes = [dict(m.headers()).get("dlq_reason_code") for m in read_topic(settings, dlq)]

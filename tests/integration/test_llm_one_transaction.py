@@ -16,25 +16,16 @@ from typing import Any
 
 import pytest
 
-from jobstream.db import connect
 from jobstream.drills.fake_provider import FakeProvider
 from jobstream.producer import uploaded_event
 from jobstream.settings import Settings
 from jobstream.store import Store
-from schemas.events import decode_event
 from streams.context import StageContext
 from streams.intake import handle_intake
 from streams.runner import GroupCommit, run_stage
-from tests.helpers import query
+from tests.helpers import outbox_events, query
 
 pytestmark = pytest.mark.integration
-
-
-def _events(settings: Settings, event_type: str) -> list[Any]:
-    with connect(settings.database_url) as conn:
-        rows = conn.execute("SELECT payload FROM outbox WHERE event_type = %s ORDER BY id",
-                            (event_type,)).fetchall()
-    return [decode_event(bytes(r["payload"]), expected=event_type) for r in rows]
 
 
 @pytest.fixture
@@ -54,11 +45,11 @@ def chunked(settings: Settings, tmp_path: Path) -> Iterator[tuple[StageContext, 
             ids[name] = handle_intake(ctx, uploaded_event(
                 doc, tenant_id="acme", idempotency_key=name, settings=s,
                 model_profile=profile)).job_id
-        for ev in _events(s, "job.accepted"):
+        for ev in outbox_events(s, "job.accepted"):
             assert run_stage(ctx, ev) == "done"
-        for ev in _events(s, "job.text_extracted"):
+        for ev in outbox_events(s, "job.text_extracted"):
             assert run_stage(ctx, ev) == "done"
-        by_job = {ev.job_id: ev for ev in _events(s, "job.chunks_ready")}
+        by_job = {ev.job_id: ev for ev in outbox_events(s, "job.chunks_ready")}
         yield ctx, fake, {name: by_job[job_id] for name, job_id in ids.items()}
         ctx.close()
         store.close()

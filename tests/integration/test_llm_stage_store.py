@@ -18,17 +18,15 @@ from streams import llm
 from streams.context import StageContext
 from streams.intake import handle_intake
 from streams.runner import run_stage
-from tests.helpers import query
+from tests.helpers import outbox_events, query
 
 pytestmark = pytest.mark.integration
 
 
 def _next_event(settings: Settings, event_type: str):
-    with connect(settings.database_url) as conn:
-        row = conn.execute("SELECT payload FROM outbox WHERE event_type = %s ORDER BY id DESC "
-                           "LIMIT 1", (event_type,)).fetchone()
-    assert row is not None, f"no {event_type} in the outbox"
-    return decode_event(bytes(row["payload"]), expected=event_type)
+    events = outbox_events(settings, event_type)
+    assert events, f"no {event_type} in the outbox"
+    return events[-1]
 
 
 @pytest.fixture

@@ -11,18 +11,16 @@ import time
 import uuid
 from collections.abc import Iterator
 
-import psycopg
 import pytest
-from psycopg import sql
 
 from consumers.ddl import key_digest
 from consumers.idempotent import IdempotentConsumer
-from jobstream.db import QUERIES, connect, migrate, migration_files
+from jobstream.db import QUERIES, connect, migrate
 from jobstream.producer import produce_raw
 from jobstream.ready_applier import build
 from jobstream.settings import Settings
 from schemas.events import encode_event
-from tests.helpers import job_ready, query, wait_for
+from tests.helpers import database_before, job_ready, query, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -30,20 +28,8 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def old_db(endpoints) -> Iterator[str]:  # type: ignore[no-untyped-def]
     """An empty database migrated only up to 0025 (the release before migration 0026)."""
-    name = f"jobstream_m_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(endpoints.database_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    url = psycopg.conninfo.make_conninfo(endpoints.database_url, dbname=name)
-    with connect(url) as conn, conn.transaction():
-        conn.execute(QUERIES["create_migration_table"])
-        for version, fname, text in migration_files():
-            if version < 26:
-                conn.execute(text)
-                conn.execute(QUERIES["record_migration"], (version, fname))
-    yield url
-    with psycopg.connect(endpoints.database_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-            sql.Identifier(name)))
+    with database_before(endpoints.database_url, 26) as url:
+        yield url
 
 
 def _run_until(consumer: IdempotentConsumer, handled: int) -> None:

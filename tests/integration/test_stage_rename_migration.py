@@ -9,10 +9,10 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
-from psycopg import sql
 
-from jobstream.db import QUERIES, connect, migrate, migration_files
+from jobstream.db import connect, migrate
 from schemas.pipeline import OLD_NAMES, PIPELINE
+from tests.helpers import database_before
 
 pytestmark = pytest.mark.integration
 
@@ -20,20 +20,8 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def old_db(endpoints) -> Iterator[str]:  # type: ignore[no-untyped-def]
     """An empty database migrated only up to 0018 (the release before one name per stage)."""
-    name = f"jobstream_m_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(endpoints.database_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    url = psycopg.conninfo.make_conninfo(endpoints.database_url, dbname=name)
-    with connect(url) as conn, conn.transaction():
-        conn.execute(QUERIES["create_migration_table"])
-        for version, fname, text in migration_files():
-            if version < 19:
-                conn.execute(text)
-                conn.execute(QUERIES["record_migration"], (version, fname))
-    yield url
-    with psycopg.connect(endpoints.database_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-            sql.Identifier(name)))
+    with database_before(endpoints.database_url, 19) as url:
+        yield url
 
 
 def test_0019_renames_every_stored_stage_name(old_db: str) -> None:

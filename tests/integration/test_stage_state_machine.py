@@ -19,24 +19,16 @@ from jobstream.errors import StaleRun
 from jobstream.producer import uploaded_event
 from jobstream.settings import Settings
 from jobstream.store import Claim, LeaseHeld, Skip, Store
-from schemas.events import JobFailed, JobFailedPayload, LlmDone, LlmDonePayload, decode_event
+from schemas.events import JobFailed, JobFailedPayload, LlmDone, LlmDonePayload
 from streams.actions import give_up, redrive, sweep
 from streams.context import StageContext, outbox_msg
 from streams.intake import handle_intake
 from streams.runner import run_stage
-from tests.helpers import query, wait_for
+from tests.helpers import outbox_events, query, wait_for
 
 pytestmark = pytest.mark.integration
 
 GROUP = "g-llm"
-
-
-def _events(settings: Settings, event_type: str) -> list[Any]:
-    """Every ``event_type`` event in the outbox, oldest first."""
-    with connect(settings.database_url) as conn:
-        rows = conn.execute("SELECT payload FROM outbox WHERE event_type = %s ORDER BY id",
-                            (event_type,)).fetchall()
-    return [decode_event(bytes(r["payload"]), expected=event_type) for r in rows]
 
 
 @pytest.fixture
@@ -55,9 +47,9 @@ def job(settings: Settings, tmp_path: Path):
         ctx = StageContext(s, store)
         handle_intake(ctx, uploaded_event(doc, tenant_id="acme", idempotency_key="k",
                                           settings=s, model_profile="custom"))
-        assert run_stage(ctx, _events(s, "job.accepted")[-1]) == "done"
-        assert run_stage(ctx, _events(s, "job.text_extracted")[-1]) == "done"
-        yield ctx, fake, _events(s, "job.chunks_ready")[-1]
+        assert run_stage(ctx, outbox_events(s, "job.accepted")[-1]) == "done"
+        assert run_stage(ctx, outbox_events(s, "job.text_extracted")[-1]) == "done"
+        yield ctx, fake, outbox_events(s, "job.chunks_ready")[-1]
         ctx.close()
         store.close()
 
@@ -194,10 +186,10 @@ def test_the_sweeper_re_drive_fences_the_paused_run_in_the_same_transaction(job)
 
     # The generation-0 event again is superseded; the new generation's runs to the end.
     assert run_stage(ctx, ev) == "skipped:superseded"
-    [ev0, ev1] = _events(ctx.settings, "job.chunks_ready")
+    [ev0, ev1] = outbox_events(ctx.settings, "job.chunks_ready")
     assert (ev0.generation, ev1.generation) == (0, 1)
     assert run_stage(ctx, ev1) == "done"
-    [done] = _events(ctx.settings, "job.llm_done")
+    [done] = outbox_events(ctx.settings, "job.llm_done")
     assert done.generation == 1
     assert fake.snapshot()["total"] == len(query(url, "SELECT idx FROM chunk"))
 
@@ -209,7 +201,7 @@ def test_the_sweeper_re_drives_an_expired_lease_once(job) -> None:
     _expire(url)
     assert len(sweep(ctx)) == 1
     assert sweep(ctx) == [] and sweep(ctx) == []
-    assert len(_events(ctx.settings, "job.chunks_ready")) == 2  # the original + one re-drive
+    assert len(outbox_events(ctx.settings, "job.chunks_ready")) == 2  # the original + one re-drive
     assert query(url, "SELECT generation, sweeps FROM job") == [{"generation": 1, "sweeps": 1}]
 
 
@@ -220,7 +212,7 @@ def test_the_sweeper_backs_off_per_job(job) -> None:
     assert isinstance(_claim(ctx, ev), Claim)
     _expire(url, 11)
     assert len(sweep(ctx)) == 1  # first re-drive: lease expired over grace ago
-    [ev1] = _events(ctx.settings, "job.chunks_ready")[1:]
+    [ev1] = outbox_events(ctx.settings, "job.chunks_ready")[1:]
     assert isinstance(_claim(ctx, ev1), Claim)
     _expire(url, 11)
     assert sweep(ctx) == []  # second: the job waits 2 x grace
@@ -291,7 +283,7 @@ def test_a_stage_out_of_runs_fails_once_with_its_orphans_closed(job) -> None:
     assert query(url, "SELECT status, error_code FROM job") == [
         {"status": "failed", "error_code": "stage_attempts_exhausted"}]
     assert _stage(url)["status"] == "failed"
-    assert len(_events(ctx.settings, "job.failed")) == 1
+    assert len(outbox_events(ctx.settings, "job.failed")) == 1
     assert query(url, "SELECT outcome FROM provider_attempt") == [{"outcome": "abandoned"}]
 
 
@@ -304,7 +296,7 @@ def test_every_terminal_move_of_a_run_is_fenced_by_generation(job, move: str) ->
     old = _claim(ctx, ev)
     _expire(url)
     sweep(ctx)  # generation 1: the old run is fenced
-    [ev1] = _events(ctx.settings, "job.chunks_ready")[1:]
+    [ev1] = outbox_events(ctx.settings, "job.chunks_ready")[1:]
     new = _claim(ctx, ev1)
     assert isinstance(new, Claim) and new.generation == 1
     # Even with the old token put back (the worst case), the generation fence holds.
@@ -353,7 +345,7 @@ def test_the_claim_checks_the_generation_before_the_duplicate(job) -> None:
                      (GROUP, ev.event_type, ev.dedup_key,
                       GROUP, ev.dedup_key, ev.event_type, ev.event_id, ev.job_id))
     assert _claim(ctx, ev) == Skip("superseded")
-    [ev1] = _events(ctx.settings, "job.chunks_ready")[1:]
+    [ev1] = outbox_events(ctx.settings, "job.chunks_ready")[1:]
     assert _claim(ctx, ev1) == Skip("duplicate")
 
 

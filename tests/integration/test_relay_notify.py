@@ -12,13 +12,12 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
-from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from jobstream.db import QUERIES as Q
-from jobstream.db import connect, migrate, migration_files
+from jobstream.db import migrate
 from jobstream.settings import Settings
-from tests.helpers import ProcessRunner, query, read_topic, wait_for
+from tests.helpers import ProcessRunner, database_before, query, read_topic, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -36,20 +35,8 @@ def _flag_exists(url: str) -> bool:
 @pytest.fixture
 def db_before_0030(endpoints) -> Iterator[str]:  # type: ignore[no-untyped-def]
     """An empty database migrated only up to 0029 (the release before migration 0030)."""
-    name = f"jobstream_m_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(endpoints.database_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    url = psycopg.conninfo.make_conninfo(endpoints.database_url, dbname=name)
-    with connect(url) as conn, conn.transaction():
-        conn.execute(Q["create_migration_table"])
-        for version, fname, text in migration_files():
-            if version < 30:
-                conn.execute(text)
-                conn.execute(Q["record_migration"], (version, fname))
-    yield url
-    with psycopg.connect(endpoints.database_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-            sql.Identifier(name)))
+    with database_before(endpoints.database_url, 30) as url:
+        yield url
 
 
 def _notified_on_commit(url: str, timeout_s: float) -> bool:

@@ -52,7 +52,7 @@ from psycopg.types.json import set_json_loads
 from jobstream import faults, health
 from jobstream.db import QUERIES as Q
 from jobstream.db import Conn, connect
-from jobstream.kafka import producer_config
+from jobstream.kafka import base_config, producer_config
 from jobstream.settings import Settings
 
 log = logging.getLogger("jobstream.relay")
@@ -219,6 +219,10 @@ class OutboxRelay:
         #: Topics the broker's metadata said do not exist -> when that was first seen
         #: (monotonic s); see _missing_past_grace.
         self._missing_topics: dict[str, float] = {}
+        #: Topic -> (its max.message.bytes or None when unknown, monotonic s it was asked);
+        #: see _narrow.
+        self._topic_limits: dict[str, tuple[int | None, float]] = {}
+        self._admin: Any = None  # AdminClient, made on first use (_topic_limit)
 
     def stop(self, *_: Any) -> None:
         """Ask the relay loop to finish its current batch and return."""
@@ -346,6 +350,7 @@ class OutboxRelay:
         on_delivery = self._on_delivery
         missing, now = self._missing_topics, time.monotonic()
         grace = self.settings.relay_missing_topic_park_s
+        narrow: list[tuple[Any, ...]] = []
         for row in rows:
             _id, topic, key, payload, headers, _type = row
             if missing and now - missing.get(topic, now + 1) >= grace:
@@ -353,6 +358,9 @@ class OutboxRelay:
                 # wait message.timeout.ms and hold every flush up); settle() re-checks the
                 # topic and parks it, or sends it again if the topic is back.
                 self._failed.append((row, KafkaError(KafkaError._UNKNOWN_TOPIC)))
+                continue
+            if self._narrow(topic):
+                narrow.append(row)
                 continue
             while True:
                 try:  # a dict of str headers is UTF-8 encoded by the client, in C
@@ -379,6 +387,61 @@ class OutboxRelay:
                     else:
                         self._refused.append((row, _describe_exc(exc)))
                     break
+        if narrow:
+            self._produce_alone(narrow)
+
+    def _narrow(self, topic: str) -> bool:
+        """True when ``topic`` takes smaller record batches (its ``max.message.bytes``) than
+        this producer builds (``message.max.bytes`` = ``kafka_message_max_bytes``): the broker
+        would refuse a whole batch for one large row, its batch-mates with it, while later
+        batches of the partition go through, so the batch-mates re-sent alone would land
+        after them (per-key order broken). Such a topic's rows go one at a time
+        (:meth:`_produce_alone`). Its limit is asked once (again after 60 s while unknown)."""
+        got = self._topic_limits.get(topic)
+        if got is None or got[0] is None:
+            now = time.monotonic()
+            if got is None or (now - got[1] > 60 and topic not in self._missing_topics):
+                got = self._topic_limits[topic] = (self._topic_limit(topic), now)
+        return got[0] is not None and got[0] < self.settings.kafka_message_max_bytes
+
+    def _topic_limit(self, topic: str) -> int | None:
+        """``topic``'s ``max.message.bytes`` (bytes), or None when the broker did not say
+        within 2 s (missing topic, outage)."""
+        from confluent_kafka.admin import AdminClient, ConfigResource
+        try:
+            if self._admin is None:
+                self._admin = AdminClient(base_config(self.settings))
+            (fut,) = self._admin.describe_configs(
+                [ConfigResource(ConfigResource.Type.TOPIC, topic)], request_timeout=2).values()
+            return int(fut.result(timeout=2)["max.message.bytes"].value)
+        except Exception as exc:  # noqa: BLE001 - unknown: batched as before, asked again later
+            log.debug("max.message.bytes of %s unknown: %s", topic, exc)
+            return None
+
+    def _produce_alone(self, rows: list[tuple[Any, ...]]) -> None:
+        """Produce rows of narrow topics (:meth:`_narrow`) one at a time, each waiting for its
+        delivery report: a row the topic refuses goes to ``_refused`` (parked) alone, and
+        once a row of a topic failed otherwise, the topic's later rows are not sent (they
+        go to ``_failed`` with it, re-sent in id order after the backoff)."""
+        stalled: set[str] = set()
+        for row in rows:
+            if row[1] in stalled:
+                self._failed.append((row, KafkaError(
+                    KafkaError._STATE, "behind an undelivered row of its topic")))
+                continue
+            reports, refusal = self._send([row])
+            report = reports.get(0, _MISSING)
+            if 0 in refusal:
+                self._refused.append((row, refusal[0]))
+            elif report is None:
+                self._acked.append(row)
+                self._acked_at = time.time()
+            elif isinstance(report, KafkaError) and _permanent(report):
+                self._refused.append((row, _describe_err(report)))
+            else:
+                self._failed.append((row, report if isinstance(report, KafkaError)
+                                     else KafkaError(KafkaError._MSG_TIMED_OUT)))
+                stalled.add(row[1])
 
     def _on_delivery(self, row: tuple[Any, ...], err: KafkaError | None, _msg: Any) -> None:
         """Delivery report of ``row`` (called from ``poll``/``flush`` in this thread)."""

@@ -281,3 +281,9 @@ def outbox_events(settings: Settings, event_type: str) -> list[Any]:
     rows = query(settings.database_url, "SELECT payload FROM outbox WHERE event_type = %s "
                  "ORDER BY id", (event_type,))
     return [decode_event(bytes(r["payload"]), expected=event_type) for r in rows]
+
+
+def stopped(pid: int) -> bool:
+    """True while process ``pid`` is stopped (SIGSTOP): state ``T`` in /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"

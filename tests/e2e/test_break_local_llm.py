@@ -1,0 +1,93 @@
+"""Breaking the local llm stage's ONE transaction (``llm_local_one_transaction``: claim, answer
+every chunk on the in-process model and complete -- ``record_local_answer``,
+``complete_stage_advance_job`` -- in one transaction under the job's row lock) from outside,
+with real worker processes, relay, ``consume-ready``, Postgres and the broker.
+
+A worker frozen (SIGSTOP) inside that transaction, its answers computed and not written, past
+its lease and its Kafka session: a second worker gets the partition and the redelivered
+``job.chunks_ready``, waits for the frozen session's row lock until Postgres ends that session
+(the idle limit, ``lease_s``), and answers the chunks itself. On SIGCONT the frozen worker's
+completion meets its dead session. The job must succeed once: one ``succeeded`` attempt per
+chunk (the frozen run's answers never recorded beside the live run's), every chunk's output
+bound to one of them, one ``job.ready``, one analysis and one charge downstream, nothing
+dead-lettered, both workers alive.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from jobstream.kafka import group_lag
+from jobstream.producer import produce_raw
+from jobstream.settings import Settings
+from schemas.events import encode_event
+from tests.helpers import ProcessRunner, query, read_topic, stopped, wait_for
+from tests.helpers import text_uploaded as _uploaded
+
+pytestmark = pytest.mark.e2e
+
+#: Long enough for several chunks at chunk_size_chars=400.
+TEXT = " ".join(f"Paragraph {i}: the local model answers this chunk inside one transaction "
+                f"while the worker that holds it is frozen past its lease." for i in range(20))
+
+
+def _job(settings: Settings) -> dict:
+    rows = query(settings.database_url, "SELECT job_id, status, error_code FROM job")
+    return rows[0] if rows else {}
+
+
+def test_a_worker_frozen_inside_the_local_llm_transaction_past_its_lease_answers_once(
+        settings: Settings, procs: ProcessRunner) -> None:
+    env = {"JOBSTREAM_LEASE_S": "4", "JOBSTREAM_CHUNK_SIZE_CHARS": "400"}
+    procs.start("relay", **env)
+    procs.start("consume-ready", **env)
+    # One document: the one-transaction stages run extract (1), chunk (2), llm (3).
+    frozen = procs.start("worker", name="worker-frozen", **env,
+                         JOBSTREAM_FAULT="stage_inside_one_transaction@3=stop")
+    ev = _uploaded("frozen-llm", TEXT)
+    produce_raw(settings, settings.topic("document.uploaded"),
+                [(b"frozen-llm", encode_event(ev))])
+    try:
+        wait_for(lambda: "SIGSTOP" in frozen.log_text(), 90,
+                 "the worker to freeze inside the local llm transaction", procs.logs)
+        job_id = _job(settings)["job_id"]
+        stages = {r["stage"]: r["status"] for r in query(
+            settings.database_url, "SELECT stage, status FROM job_stage WHERE job_id = %s",
+            (job_id,))}
+        assert stages.get("chunk") == "succeeded" and "llm" not in stages, stages
+        live = procs.start("worker", name="worker-live", **env)
+        wait_for(lambda: _job(settings).get("status") == "succeeded", 120,
+                 "the live worker to finish the job while the other is frozen", procs.logs,
+                 every_s=1.0)
+        assert stopped(frozen.popen.pid), "the frozen worker was resumed early: inconclusive"
+    finally:
+        os.kill(frozen.popen.pid, signal.SIGCONT)
+    topics = [settings.topic(t) for t in ("job.chunks_ready", "job.llm_done", "job.validated")]
+    wait_for(lambda: group_lag(settings, settings.group("jobstream-streams"), topics) == 0, 90,
+             "the stage topics consumed and committed after the resume", procs.logs,
+             every_s=1.0)
+    wait_for(lambda: query(settings.database_url, "SELECT count(*) AS n FROM "
+                           "downstream.ledger_charge")[0]["n"] >= 1, 60,
+             "the result applied downstream", procs.logs)
+    url = settings.database_url
+    chunks = query(url, "SELECT c.idx, c.llm_attempt_id, a.outcome FROM chunk c LEFT JOIN "
+                        "provider_attempt a ON a.attempt_id = c.llm_attempt_id "
+                        "WHERE c.job_id = %s ORDER BY c.idx", (job_id,))
+    assert len(chunks) > 1, chunks
+    assert {c["outcome"] for c in chunks} == {"succeeded"}, chunks
+    attempts = query(url, "SELECT chunk_idx, outcome, count(*) AS n FROM provider_attempt "
+                          "WHERE job_id = %s GROUP BY chunk_idx, outcome", (job_id,))
+    assert sorted((a["chunk_idx"], a["outcome"], a["n"]) for a in attempts) == [
+        (c["idx"], "succeeded", 1) for c in chunks], attempts
+    assert query(url, "SELECT count(*) AS n FROM downstream.document_analysis")[0]["n"] == 1
+    assert query(url, "SELECT count(*) AS n FROM downstream.ledger_charge")[0]["n"] == 1
+    ready = [m for m in read_topic(settings, settings.topic("job.ready"))
+             if m.key().decode() == str(job_id)]
+    assert len(ready) == 1, ready
+    for t in ("job.chunks_ready", "job.llm_done"):
+        assert read_topic(settings, settings.topic(t + ".dlq")) == [], t
+    assert "database unavailable" in frozen.log_text(), procs.logs()  # met its dead session
+    assert frozen.popen.poll() is None and live.popen.poll() is None, procs.logs()

@@ -256,17 +256,38 @@ def read_to_end(settings: Settings, topics: list[str], timeout_s: float = 30.0) 
         c.close()
 
 
-def group_lag(settings: Settings, group: str, topics: list[str]) -> int:
+#: Errors a topic answers with for a moment after it was created (its leader being elected).
+SETTLING_ERRORS = frozenset((KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
+                             KafkaError.UNKNOWN_TOPIC_OR_PART))
+
+
+def group_lag(settings: Settings, group: str, topics: list[str], *,
+              settle_s: float = 10.0) -> int:
     """Messages of ``topics`` (full names) that consumer group ``group`` has not committed
-    yet (0 = the group has processed and committed everything there is). Joins no group."""
+    yet (0 = the group has processed and committed everything there is). Joins no group.
+
+    A retriable broker error (a topic created a moment ago answers "not leader for
+    partition" while its leader is elected) is asked again for up to ``settle_s`` seconds;
+    raises ``KafkaException`` after that, or at once for any other error."""
     c = Consumer({**base_config(settings), "group.id": group, "enable.auto.commit": False})
+    deadline = time.monotonic() + settle_s
     try:
-        tps = [TopicPartition(t, p) for t in topics
-               for p in c.list_topics(t, timeout=10).topics[t].partitions]
-        lag = 0
-        for tp in c.committed(tps, timeout=10):
-            lo, hi = c.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), timeout=10)
-            lag += max(0, hi - max(tp.offset, lo))
-        return lag
+        while True:
+            try:
+                tps = [TopicPartition(t, p) for t in topics
+                       for p in c.list_topics(t, timeout=10).topics[t].partitions]
+                lag = 0
+                for tp in c.committed(tps, timeout=10):
+                    lo, hi = c.get_watermark_offsets(TopicPartition(tp.topic, tp.partition),
+                                                     timeout=10)
+                    lag += max(0, hi - max(tp.offset, lo))
+                return lag
+            except KafkaException as exc:
+                err = exc.args[0] if exc.args else None
+                if not (isinstance(err, KafkaError)
+                        and (err.retriable() or err.code() in SETTLING_ERRORS)
+                        and time.monotonic() < deadline):
+                    raise
+                time.sleep(0.2)
     finally:
         c.close()

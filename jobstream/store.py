@@ -265,6 +265,11 @@ def outbox_message(topic: str, event: BaseModel) -> OutboxMessage:
     return OutboxMessage(topic, str(job_id or ev.idempotency_key), encode_event(event), headers)
 
 
+class _StepRaised(Exception):  # noqa: N818 - a signal inside the store, not an error
+    """A step of a savepoint-free shared stage transaction raised: the transaction rolls back
+    and its steps run again, a savepoint each (:meth:`Store.claim_and_complete_many`)."""
+
+
 class Store:
     """All DB operations, over a small connection pool (``max_size`` connections)."""
 
@@ -360,14 +365,22 @@ class Store:
         redrive) one in the job's stored trace, so every event of a job shares its trace-id.
         """
         ev = json.loads(msg.value)
+        conn.execute(Q["outbox_insert"], (msg.topic, msg.key, msg.value,
+                                          Jsonb(Store._outbox_headers(conn, msg, ev)),
+                                          ev["event_id"], ev["event_type"]))
+
+    @staticmethod
+    def _outbox_headers(conn: Conn, msg: OutboxMessage, ev: dict[str, Any]
+                        ) -> dict[str, Any]:
+        """The headers :meth:`add_outbox` writes for ``msg`` (its event ``ev``, decoded): a
+        ``traceparent`` added as described there."""
         headers = dict(msg.headers)
         if tracing.HEADER not in headers:
             trace_id = None
             if tracing.current() is None and ev.get("job_id"):
                 trace_id = Store._job_trace_id(conn, ev["job_id"])
             headers[tracing.HEADER] = tracing.outgoing_header(trace_id)
-        conn.execute(Q["outbox_insert"], (msg.topic, msg.key, msg.value, Jsonb(headers),
-                                          ev["event_id"], ev["event_type"]))
+        return headers
 
     @staticmethod
     def _job_trace_id(conn: Conn, job_id: str) -> str:
@@ -700,9 +713,8 @@ class Store:
         """
         try:
             with self.tx() as conn:
-                # Paused past its lease, the process loses the session (and the row lock).
-                conn.execute(Q["one_transaction_idle_limit"],
-                             {"ms": str(int(float(claim_kw["lease_s"]) * 1000))})
+                # Paused past its lease, the process loses the session (and the row lock):
+                # the claim's statement sets the idle limit (claim_job_and_stage).
                 return self.claim_and_complete_in(conn, work, **claim_kw)
         except (PoisonMessage, psycopg.Error) as exc:
             # Postgres refused the completion (its data: invalid_data; or anything else it
@@ -716,7 +728,7 @@ class Store:
                                                         Exception | None]:
         """:meth:`claim_and_complete`'s claim, work and completion inside the caller's
         transaction ``conn`` (the caller sets the idle limit and commits)."""
-        got = self._claim_in(conn, **claim_kw)
+        got = self._claim_in(conn, idle_limit=True, **claim_kw)
         if not isinstance(got, Claim):
             return got, None
         try:
@@ -734,32 +746,63 @@ class Store:
         savepoint: a step that raises is rolled back alone and its slot is ``None`` (the
         caller runs that event again on its own, which reports its error as usual), the others
         commit together. Every run is fenced as in :meth:`claim_and_complete` (job row locked,
-        run token, generation); the idle limit is ``lease_s`` seconds, as there.
+        run token, generation); the idle limit is ``lease_s`` seconds, as there (each step's
+        claim sets it from its own ``lease_s``, this one).
+
+        The steps run first WITHOUT savepoints (a savepoint per step is two round trips and
+        a subtransaction in Postgres; issue 12, perf-worker4): when one of them raises, that
+        whole transaction rolls back (nothing of it was committed) and the steps run again,
+        each in its own savepoint as above. A step may therefore run twice; a step is a claim,
+        pure work and a completion, so its second run starts from the same rows.
 
         Raises :class:`RetryableError` / :class:`PoisonMessage` like :meth:`tx` when the
         transaction itself fails (nothing of it committed, or - a lost COMMIT - all of it).
         """
+        if len(steps) > 1:
+            try:
+                return self._steps_in_one_transaction(steps, savepoints=False)
+            except _StepRaised:
+                pass  # rolled back as a whole: once more, a savepoint per step
+        return self._steps_in_one_transaction(steps, savepoints=True)
+
+    def _steps_in_one_transaction(self, steps: Sequence[Callable[[Conn], T]], *,
+                                  savepoints: bool) -> list[T | None]:
+        """:meth:`claim_and_complete_many`'s transaction; without ``savepoints``, a step
+        that raises rolls it all back (:class:`_StepRaised`)."""
         out: list[T | None] = []
         with self.tx() as conn:
-            conn.execute(Q["one_transaction_idle_limit"], {"ms": str(int(lease_s * 1000))})
+            # No statement of its own for the idle limit: each step's claim sets it
+            # (claim_job_and_stage) before its job row lock is held.
             for step in steps:
                 try:
+                    if not savepoints:
+                        out.append(step(conn))
+                        continue
                     with conn.transaction():  # a savepoint
                         out.append(step(conn))
                 except (psycopg.OperationalError, psycopg.errors.InFailedSqlTransaction,
                         psycopg.errors.IdleInTransactionSessionTimeout):
                     raise  # the session is gone: the whole transaction fails (an outage)
-                except Exception:  # noqa: BLE001 - rolled back to the savepoint; run alone
+                except Exception as exc:  # noqa: BLE001 - rolled back to the savepoint; run alone
+                    if not savepoints:
+                        raise _StepRaised from exc  # the whole transaction rolls back
                     out.append(None)
         return out
 
     def _claim_in(self, conn: Conn, *, job_id: uuid.UUID, stage: str, group: str,
                   dedup_key: str, event_type: str, event_id: uuid.UUID, lease_s: float,
-                  code_version: str, generation: int = 0, reads: tuple[str, ...] = ()
-                  ) -> Claim | Skip | Done | LeaseHeld:
-        row = conn.execute(Q["claim_job_for_update"], {
+                  code_version: str, generation: int = 0, reads: tuple[str, ...] = (),
+                  idle_limit: bool = False) -> Claim | Skip | Done | LeaseHeld:
+        """:meth:`claim` in the caller's transaction; ``idle_limit``: the transaction goes on
+        under the job's row lock (one transaction), so it may stay idle at most ``lease_s``
+        (set by the claim's statement, see :meth:`claim_and_complete`)."""
+        # The job lock, the duplicate check and the stage's claim in one round trip: the
+        # claim is made only when the checks below would let it go on (claim_job_and_stage).
+        row = conn.execute(Q["claim_job_and_stage"], {
             "job_id": job_id, "group": group, "dedup_key": dedup_key,
-            "event_type": event_type}).fetchone()
+            "event_type": event_type, "stage": stage, "run_token": uuid.uuid4(),
+            "lease_s": lease_s, "code_version": code_version, "generation": generation,
+            "idle_ms": str(int(float(lease_s) * 1000)) if idle_limit else None}).fetchone()
         if row is None:
             return Skip("unknown_job")
         job = typed_row(JobRow, row)
@@ -773,10 +816,7 @@ class Store:
             conn.execute(Q["record_processed"], (group, dedup_key, event_type, event_id,
                                                  job_id))
             return Skip("cancelled" if job.cancel_requested else "terminal")
-        got = conn.execute(Q["claim_stage"], {"job_id": job_id, "stage": stage,
-                                              "run_token": uuid.uuid4(), "lease_s": lease_s,
-                                              "code_version": code_version}).fetchone()
-        if got is None:
+        if row["claim_run_token"] is None:
             cur = conn.execute(Q["get_stage"], (job_id, stage)).fetchone()
             assert cur is not None
             if cur["status"] == "succeeded":
@@ -784,9 +824,10 @@ class Store:
             if cur["status"] in ("failed", "needs_reconciliation"):
                 return Skip("terminal")
             return LeaseHeld(cur["lease_until"])
-        if got["attempt"] > 1:  # a takeover or a re-run: earlier runs may have left attempts
+        attempt = row["claim_attempt"]
+        if attempt > 1:  # a takeover or a re-run: earlier runs may have left attempts
             conn.execute(Q["close_orphan_attempts"], {"job_id": job_id, "stage": stage})
-        return Claim(job, stage, got["run_token"], got["attempt"], got["lease_until"],
+        return Claim(job, stage, row["claim_run_token"], attempt, row["claim_lease_until"],
                      self._read_inputs(conn, job, stage, reads))
 
     def provider_budget(self, job_id: uuid.UUID, stage: str) -> ProviderBudget:
@@ -896,7 +937,6 @@ class Store:
         """:meth:`complete` in the caller's transaction; ``locked``: the caller claimed in
         this transaction (the job row is locked and its generation read under the lock)."""
         job_id = claim.job.job_id
-        emitted = json.loads(next_msg.value)["payload"]
         if not locked:
             self._fence(conn, claim)
         fence = {"job_id": job_id, "stage": claim.stage, "run_token": claim.run_token,
@@ -912,11 +952,18 @@ class Store:
                 raise StaleRun(f"stage {claim.stage} of job {job_id}: run {claim.run_token} "
                                "was fenced off (or the chunk answered meanwhile); result "
                                "discarded")
-        # The fenced checkpoint and the job's advance in one statement.
-        row = conn.execute(Q["complete_stage_advance_job"], {
+        # The fenced checkpoint, the job's advance (or success, with a charge), the next
+        # event's outbox row and the idempotent-consumer row in one statement.
+        ev = json.loads(next_msg.value)
+        row = conn.execute(Q["complete_stage_emit"], {
             "output": Jsonb(output), "input_hash": input_hash, "code_version": code_version,
             "cost_usd": cost_usd, "job_id": job_id, "stage": claim.stage,
-            "run_token": claim.run_token, "emitted": Jsonb(emitted)}).fetchone()
+            "run_token": claim.run_token, "emitted": Jsonb(ev["payload"]),
+            "charge_usd": charge_usd, "topic": next_msg.topic, "kafka_key": next_msg.key,
+            "payload": next_msg.value, "headers": Jsonb(self._outbox_headers(conn, next_msg, ev)),
+            "next_event_id": ev["event_id"], "next_event_type": ev["event_type"],
+            "group": group, "dedup_key": claim.job.dedup_key, "event_type": event_type,
+            "event_id": event_id}).fetchone()
         if row is None or row["completed"] != 1:
             raise StaleRun(f"stage {claim.stage} of job {job_id}: run {claim.run_token} "
                            "was fenced off; result discarded")
@@ -925,13 +972,9 @@ class Store:
         if chunks is not None:
             if claim.attempt > 1:  # a re-run replaces the chunks of an earlier one
                 conn.execute(Q["delete_chunks"], (job_id,))
-            with conn.cursor() as c:
-                c.executemany(Q["insert_chunk"], [(job_id, *ch) for ch in chunks])
-        if charge_usd is not None:
-            conn.execute(Q["succeed_job"], (charge_usd, job_id))
-        self.add_outbox(conn, next_msg)
-        conn.execute(Q["record_processed"], (group, claim.job.dedup_key, event_type,
-                                             event_id, job_id))
+            if chunks:
+                conn.execute(Q["insert_chunks"], (job_id, *(list(col) for col in zip(
+                    *chunks, strict=True))))
 
     def fail(self, claim: Claim, *, error_code: str, error: str, group: str, event_type: str,
              event_id: uuid.UUID, failed_msg: OutboxMessage) -> None:

@@ -59,10 +59,13 @@ INSERT INTO job_stage (job_id, stage, status, attempt, input_hash, code_version,
 VALUES (%s, %s, 'succeeded', 1, %s, %s, %s, %s, now(), now());
 
 -- name: intake_batch_known_keys
+-- (The intake_batch_* statements take their parameters in binary, %b: psycopg's text format
+-- escapes every element of a text or bytea array with a regular expression, ~4 ms per batch
+-- of 16 documents in the worker; binary ~0.03 ms. Issue 12, perf-worker4.)
 -- Intake batches: which of the batch's (tenant, idempotency key) pairs have an idempotency
 -- record or a job already (those take the one-intent path: replay, conflict, rebind).
 SELECT k.tenant_id, k.idempotency_key
-  FROM unnest(%s::text[], %s::text[]) AS k (tenant_id, idempotency_key)
+  FROM unnest(%b::text[], %b::text[]) AS k (tenant_id, idempotency_key)
  WHERE EXISTS (SELECT 1 FROM job_request r
                 WHERE r.tenant_id = k.tenant_id AND r.idempotency_key = k.idempotency_key)
     OR EXISTS (SELECT 1 FROM job j
@@ -71,7 +74,7 @@ SELECT k.tenant_id, k.idempotency_key
 -- name: intake_batch_insert_documents
 -- Intake batches: the documents of the batch's new intents, one statement.
 INSERT INTO document (tenant_id, sha256, content_type, size_bytes, content)
-SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::bigint[], %s::bytea[])
+SELECT * FROM unnest(%b::text[], %b::text[], %b::text[], %b::bigint[], %b::bytea[])
 ON CONFLICT (tenant_id, sha256) DO NOTHING;
 
 -- name: intake_batch_insert_jobs
@@ -80,33 +83,33 @@ ON CONFLICT (tenant_id, sha256) DO NOTHING;
 INSERT INTO job (job_id, tenant_id, idempotency_key, request_hash, dedup_key, request_id,
                  document_sha256, filename, content_type, pipeline, prompt_version,
                  model_profile, lane, trace_id)
-SELECT * FROM unnest(%(job_id)s::uuid[], %(tenant_id)s::text[], %(idempotency_key)s::text[],
-                     %(request_hash)s::text[], %(dedup_key)s::text[], %(request_id)s::text[],
-                     %(document_sha256)s::text[], %(filename)s::text[], %(content_type)s::text[],
-                     %(pipeline)s::text[], %(prompt_version)s::text[],
-                     %(model_profile)s::text[], %(lane)s::text[], %(trace_id)s::text[])
+SELECT * FROM unnest(%(job_id)b::uuid[], %(tenant_id)b::text[], %(idempotency_key)b::text[],
+                     %(request_hash)b::text[], %(dedup_key)b::text[], %(request_id)b::text[],
+                     %(document_sha256)b::text[], %(filename)b::text[], %(content_type)b::text[],
+                     %(pipeline)b::text[], %(prompt_version)b::text[],
+                     %(model_profile)b::text[], %(lane)b::text[], %(trace_id)b::text[])
 ON CONFLICT (tenant_id, dedup_key) DO NOTHING
 RETURNING job_id;
 
 -- name: intake_batch_insert_requests
 -- Intake batches: the idempotency records of the jobs the batch created.
 INSERT INTO job_request (tenant_id, idempotency_key, request_hash, job_id, request_id)
-SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::uuid[], %s::text[]);
+SELECT * FROM unnest(%b::text[], %b::text[], %b::text[], %b::uuid[], %b::text[]);
 
 -- name: intake_batch_insert_done_stages
 -- Intake batches: the intake checkpoints of the jobs the batch created (as insert_done_stage).
 INSERT INTO job_stage (job_id, stage, status, attempt, input_hash, code_version, output,
                        emitted, started_at, finished_at)
-SELECT x.job_id, %s, 'succeeded', 1, x.input_hash, %s, x.output::jsonb, x.emitted::jsonb,
+SELECT x.job_id, %b, 'succeeded', 1, x.input_hash, %b, x.output::jsonb, x.emitted::jsonb,
        now(), now()
-  FROM unnest(%s::uuid[], %s::text[], %s::text[], %s::text[])
+  FROM unnest(%b::uuid[], %b::text[], %b::text[], %b::text[])
        AS x (job_id, input_hash, output, emitted);
 
 -- name: intake_batch_outbox_insert
 -- Intake batches: the job.accepted outbox rows of the jobs the batch created, in order.
 INSERT INTO outbox (topic, kafka_key, payload, headers, event_id, event_type)
 SELECT x.topic, x.kafka_key, x.payload, x.headers::jsonb, x.event_id, x.event_type
-  FROM unnest(%s::text[], %s::text[], %s::bytea[], %s::text[], %s::uuid[], %s::text[])
+  FROM unnest(%b::text[], %b::text[], %b::bytea[], %b::text[], %b::uuid[], %b::text[])
        WITH ORDINALITY AS x (topic, kafka_key, payload, headers, event_id, event_type, n)
  ORDER BY x.n;
 
@@ -120,25 +123,6 @@ SELECT * FROM job WHERE job_id = %s FOR UPDATE;
 
 -- name: get_stage
 SELECT * FROM job_stage WHERE job_id = %s AND stage = %s;
-
--- name: claim_stage
--- Claim a stage: a fresh run token (fencing token) and lease. Succeeds only when the stage is
--- new, pending, running under an expired lease (a crashed or stuck run), or succeeded under
--- another code version (reached only by a redrive: normal redeliveries are duplicates).
--- Taking over a running stage (only possible once its lease expired) counts a lease takeover.
-INSERT INTO job_stage (job_id, stage, status, attempt, run_token, lease_until, started_at)
-VALUES (%(job_id)s, %(stage)s, 'running', 1, %(run_token)s,
-        now() + make_interval(secs => %(lease_s)s), now())
-ON CONFLICT (job_id, stage) DO UPDATE
-   SET status = 'running', attempt = job_stage.attempt + 1, run_token = EXCLUDED.run_token,
-       lease_until = EXCLUDED.lease_until, started_at = now(), updated_at = now(),
-       error_code = NULL, error = NULL,
-       lease_takeovers = job_stage.lease_takeovers + (job_stage.status = 'running')::int
- WHERE job_stage.status = 'pending'
-    OR (job_stage.status = 'running' AND job_stage.lease_until < now())
-    OR (job_stage.status = 'succeeded'
-        AND job_stage.code_version IS DISTINCT FROM %(code_version)s)
-RETURNING attempt, run_token, lease_until;
 
 -- name: renew_lease
 -- Fenced by run token AND generation: a run of an older generation renews nothing.
@@ -216,14 +200,6 @@ SET LOCAL lock_timeout = '2s';
 -- name: count_sweep
 UPDATE job SET sweeps = sweeps + 1, swept_at = now() WHERE job_id = %s;
 
--- name: claim_job_for_update
--- The claim's first read: the job row locked, and whether the idempotent consumer already
--- processed this event (``processed``), in one round trip.
-SELECT j.*, EXISTS (SELECT 1 FROM processed_event p
-                     WHERE p.key_digest = processed_event_key(%(group)s, %(event_type)s,
-                                                              %(dedup_key)s)) AS processed
-  FROM job j WHERE j.job_id = %(job_id)s FOR UPDATE OF j;
-
 -- name: job_provider_budget
 -- The LLM stage's budget, read in its claim transaction: the stage's provider attempts per
 -- chunk index (all runs and retry rounds: a jsonb object {"idx": n}), the stage's attempts
@@ -260,25 +236,6 @@ UPDATE chunk c SET llm_output = %(output)s, llm_attempt_id = a.attempt_id
   FROM a
  WHERE c.job_id = a.job_id AND c.idx = %(chunk_idx)s AND c.llm_output IS NULL
 RETURNING a.attempt_id;
-
--- name: complete_stage_advance_job
--- complete_stage and advance_job in one round trip (issue 12: fewer statements per stage):
--- the job advances only when the fenced completion updated the checkpoint; ``completed`` = 0
--- means a newer run owns the stage (its caller raises StaleRun and rolls back).
-WITH done AS (
-    UPDATE job_stage
-       SET status = 'succeeded', output = %(output)s, input_hash = %(input_hash)s,
-           code_version = %(code_version)s, cost_usd = %(cost_usd)s, emitted = %(emitted)s,
-           lease_until = NULL, finished_at = now(), updated_at = now()
-     WHERE job_id = %(job_id)s AND stage = %(stage)s AND run_token = %(run_token)s
-       AND status = 'running'
-    RETURNING job_id),
-advanced AS (
-    UPDATE job SET status = 'running', current_stage = %(stage)s,
-                   cost_usd = cost_usd + %(cost_usd)s, updated_at = now()
-     WHERE job_id IN (SELECT job_id FROM done)
-       AND status NOT IN ('succeeded', 'failed', 'cancelled'))
-SELECT count(*)::int AS completed FROM done;
 
 -- name: fail_stage
 UPDATE job_stage
@@ -443,9 +400,12 @@ UPDATE job SET status = 'cancelled', error_code = 'cancelled_by_user', finished_
 -- name: get_document
 SELECT content, content_type FROM document WHERE tenant_id = %s AND sha256 = %s;
 
--- name: insert_chunk
+-- name: insert_chunks
+-- A chunk stage's chunks in one statement (was one INSERT per chunk through executemany, i.e.
+-- psycopg's pipeline machinery even for one chunk); arrays in binary (%b): no text escaping.
 INSERT INTO chunk (job_id, idx, char_start, char_end, text, text_sha256)
-VALUES (%s, %s, %s, %s, %s, %s);
+SELECT %b::uuid, x.* FROM unnest(%b::integer[], %b::integer[], %b::integer[], %b::text[],
+                                 %b::text[]) AS x;
 
 -- name: delete_chunks
 DELETE FROM chunk WHERE job_id = %s;
@@ -503,6 +463,90 @@ SELECT count(*) AS n FROM provider_attempt WHERE job_id = %s AND stage = %s AND 
 SELECT coalesce(sum(cost_usd), 0)::float8 AS cost_usd FROM provider_attempt WHERE job_id = %s;
 
 -- ---------------------------------------------------------------- idempotent consumer
+
+-- name: complete_stage_emit
+-- Issue 12 (perf-worker4): a stage's whole completion in ONE round trip: the fenced
+-- checkpoint, the job's advance (or, with a charge, its success: what succeed_job does), the
+-- next event's outbox row and the idempotent-consumer row. The job advances and the two rows
+-- are written only when the fenced UPDATE took the checkpoint; ``completed`` = 0 means a newer
+-- run owns the stage (the caller raises StaleRun and rolls back). ``recorded`` = 0: the
+-- processed_event row already existed (not expected: the claim checked it under the job lock).
+WITH done AS (
+    UPDATE job_stage
+       SET status = 'succeeded', output = %(output)s, input_hash = %(input_hash)s,
+           code_version = %(code_version)s, cost_usd = %(cost_usd)s, emitted = %(emitted)s,
+           lease_until = NULL, finished_at = now(), updated_at = now()
+     WHERE job_id = %(job_id)s AND stage = %(stage)s AND run_token = %(run_token)s
+       AND status = 'running'
+    RETURNING job_id),
+advanced AS (
+    UPDATE job
+       SET status = CASE WHEN %(charge_usd)s::numeric IS NULL THEN 'running'
+                         ELSE 'succeeded' END,
+           current_stage = %(stage)s, cost_usd = cost_usd + %(cost_usd)s,
+           charge_usd = coalesce(%(charge_usd)s::numeric, charge_usd),
+           finished_at = CASE WHEN %(charge_usd)s::numeric IS NULL THEN finished_at
+                              ELSE now() END,
+           updated_at = now()
+     WHERE job_id IN (SELECT job_id FROM done)
+       AND status NOT IN ('succeeded', 'failed', 'cancelled')),
+emitted_row AS (
+    INSERT INTO outbox (topic, kafka_key, payload, headers, event_id, event_type)
+    SELECT %(topic)s, %(kafka_key)s, %(payload)s, %(headers)s, %(next_event_id)s,
+           %(next_event_type)s
+      FROM done),
+recorded AS (
+    INSERT INTO processed_event (key_digest, consumer_group, dedup_key, event_type, event_id,
+                                 job_id)
+    SELECT processed_event_key(%(group)s, %(event_type)s, %(dedup_key)s), %(group)s,
+           %(dedup_key)s, %(event_type)s, %(event_id)s, job_id
+      FROM done
+    ON CONFLICT (key_digest) DO NOTHING
+    RETURNING 1)
+SELECT (SELECT count(*) FROM done)::int AS completed,
+       (SELECT count(*) FROM recorded)::int AS recorded;
+
+-- name: claim_job_and_stage
+-- Issue 12 (perf-worker4): the job lock and the stage's claim in ONE round trip (were two).
+-- The job row is locked (its latest version: READ COMMITTED re-reads it after a lock wait)
+-- with whether this event was processed; the stage is claimed only when the claim would go on
+-- past those checks (an event not older than the job's generation, not processed, a job
+-- neither terminal, parked nor cancelled: the checks Store._claim_in makes on the row, in the
+-- same order). ``claim_run_token`` NULL with the checks passed: the stage is leased, done or
+-- terminal (the caller reads it with get_stage).
+-- With %(idle_ms)s (ms as text; NULL: no limit, a two-transaction claim) it also sets the
+-- transaction's idle limit (one_transaction_idle_limit) from the moment the job row is
+-- locked: a process paused past it loses its session, the lock with it (a separate statement
+-- before, one round trip per transaction).
+WITH j AS (
+    SELECT j.*, EXISTS (SELECT 1 FROM processed_event p
+                         WHERE p.key_digest = processed_event_key(%(group)s, %(event_type)s,
+                                                                  %(dedup_key)s)) AS processed
+      FROM job j WHERE j.job_id = %(job_id)s FOR UPDATE OF j),
+c AS (
+    INSERT INTO job_stage (job_id, stage, status, attempt, run_token, lease_until, started_at)
+    SELECT j.job_id, %(stage)s, 'running', 1, %(run_token)s,
+           now() + make_interval(secs => %(lease_s)s), now()
+      FROM j
+     WHERE %(generation)s >= j.generation AND NOT j.processed
+       AND j.status NOT IN ('succeeded', 'failed', 'cancelled', 'needs_reconciliation')
+       AND NOT j.cancel_requested
+    ON CONFLICT (job_id, stage) DO UPDATE
+       SET status = 'running', attempt = job_stage.attempt + 1, run_token = EXCLUDED.run_token,
+           lease_until = EXCLUDED.lease_until, started_at = now(), updated_at = now(),
+           error_code = NULL, error = NULL,
+           lease_takeovers = job_stage.lease_takeovers + (job_stage.status = 'running')::int
+     WHERE job_stage.status = 'pending'
+        OR (job_stage.status = 'running' AND job_stage.lease_until < now())
+        OR (job_stage.status = 'succeeded'
+            AND job_stage.code_version IS DISTINCT FROM %(code_version)s)
+    RETURNING attempt, run_token, lease_until)
+SELECT j.*, c.attempt AS claim_attempt, c.run_token AS claim_run_token,
+       c.lease_until AS claim_lease_until,
+       CASE WHEN %(idle_ms)s::text IS NOT NULL
+            THEN set_config('idle_in_transaction_session_timeout', %(idle_ms)s, true)
+       END AS idle_limit
+  FROM j LEFT JOIN c ON true;
 
 -- name: record_processed
 -- The idempotent-consumer row, in the same transaction as the effect. No row back = duplicate.
@@ -840,7 +884,7 @@ SELECT lane, status, count(*) AS n FROM job GROUP BY lane, status;
 
 -- name: metrics_stage_runs
 -- Stage runs per stage: every claim adds one to attempt, so runs = sum(attempt) and runs
--- that were a retry = sum(attempt - 1); lease takeovers as counted by claim_stage; running
+-- that were a retry = sum(attempt - 1); lease takeovers as counted by claim_job_and_stage; running
 -- stages whose lease has expired right now.
 SELECT stage, coalesce(sum(attempt), 0)::bigint AS runs,
        coalesce(sum(greatest(attempt - 1, 0)), 0)::bigint AS retries,

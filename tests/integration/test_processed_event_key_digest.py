@@ -103,10 +103,13 @@ def test_stage_rows_from_before_the_upgrade_still_dedup_and_can_be_forgotten(
                      (group, dk, et, event_id, job_id))
 
     assert "0026_processed_event_key_digest.sql" in migrate(old_db)
-    claim = {"job_id": job_id, "group": group, "dedup_key": dk, "event_type": et}
+    claim = {"job_id": job_id, "group": group, "dedup_key": dk, "event_type": et,
+             "stage": "chunk", "run_token": uuid.uuid4(), "lease_s": 30.0,
+             "code_version": "v", "generation": 0, "idle_ms": "30000"}
     with connect(old_db) as conn, conn.transaction():
-        row = conn.execute(QUERIES["claim_job_for_update"], claim).fetchone()
+        row = conn.execute(QUERIES["claim_job_and_stage"], claim).fetchone()
         assert row is not None and row["processed"] is True
+        assert row["claim_run_token"] is None  # a processed event claims nothing
         # The same event recorded again: a duplicate (no row back); another type is new.
         assert conn.execute(QUERIES["record_processed"],
                             (group, dk, et, event_id, job_id)).fetchone() is None
@@ -116,8 +119,9 @@ def test_stage_rows_from_before_the_upgrade_still_dedup_and_can_be_forgotten(
         gone = conn.execute(QUERIES["forget_processed"],
                             (dk, [group, "acme.other"], [et, "job.chunks_ready"])).rowcount
         assert gone == 2
-        row = conn.execute(QUERIES["claim_job_for_update"], claim).fetchone()
+        row = conn.execute(QUERIES["claim_job_and_stage"], claim).fetchone()
         assert row is not None and row["processed"] is False
+        assert row["claim_run_token"] == claim["run_token"]
         # The retention gc deletes by digest.
         conn.execute(QUERIES["record_processed"], (group, dk, et, event_id, job_id))
         conn.execute("UPDATE processed_event SET processed_at = now() - interval '2 days'")

@@ -11,6 +11,7 @@ import hashlib
 import uuid
 from collections.abc import Iterator
 
+import psycopg
 import pytest
 
 from jobstream.settings import Settings
@@ -81,3 +82,45 @@ def test_a_batch_shares_one_transaction_fences_each_run_and_a_failing_one_fails_
     assert sorted((r["event_type"], r["key"]) for r in emitted) == sorted([
         ("job.text_extracted", str(good1.job_id)), ("job.text_extracted", str(good2.job_id)),
         ("job.failed", str(empty.job_id))])
+
+
+def test_a_run_postgres_refuses_in_a_shared_transaction_fails_alone_and_the_rest_commit(
+        ctx: StageContext, settings: Settings) -> None:
+    """The shared transaction runs its events without a savepoint each (perf-worker4): when
+    one raises (here Postgres refuses its completion: a trigger the test installs), the whole
+    transaction rolls back and runs again with a savepoint per event, so the outcome is the
+    savepoint path's: the others done in ONE transaction with exactly one next event each,
+    the refused one's error handed back and its job failed, nothing of its run committed."""
+    url = settings.database_url
+    good1, victim, good2 = (_job(ctx.store, TEXT + k.encode(), k) for k in ("a1", "a2", "a3"))
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f"""
+            CREATE FUNCTION refuse_victim() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                IF NEW.job_id = '{victim.job_id}' AND NEW.status = 'succeeded' THEN
+                    RAISE EXCEPTION 'refused by the test' USING ERRCODE = 'check_violation';
+                END IF;
+                RETURN NEW;
+            END $$;
+            CREATE TRIGGER refuse_victim BEFORE UPDATE ON job_stage
+                FOR EACH ROW EXECUTE FUNCTION refuse_victim();""")
+    out = run_stage_batch(ctx, [good1, victim, good2])
+    assert out[0] == out[2] == "done", out
+    assert isinstance(out[1], psycopg.errors.CheckViolation), out
+    rows = query(url, "SELECT job_id, status, started_at FROM job_stage WHERE stage = 'extract'")
+    by_job = {r["job_id"]: r for r in rows}
+    ok1, ok2 = by_job[good1.job_id], by_job[good2.job_id]
+    assert ok1["status"] == ok2["status"] == "succeeded"
+    assert ok1["started_at"] == ok2["started_at"]  # one transaction, not one each
+    assert by_job[victim.job_id]["status"] == "failed"  # claimed again alone, then ended
+    [job] = query(url, "SELECT status, error_code FROM job WHERE job_id = %s", (victim.job_id,))
+    assert job == {"status": "failed", "error_code": "internal_error"}
+    emitted = query(url, "SELECT kafka_key AS key, event_type FROM outbox WHERE event_type IN "
+                    "('job.text_extracted', 'job.failed')")
+    assert sorted((r["event_type"], r["key"]) for r in emitted) == sorted([
+        ("job.text_extracted", str(good1.job_id)), ("job.text_extracted", str(good2.job_id)),
+        ("job.failed", str(victim.job_id))])
+    processed = query(url, "SELECT job_id FROM processed_event WHERE event_type = "
+                      "'job.accepted'")
+    assert sorted(map(str, (r["job_id"] for r in processed))) == sorted(
+        map(str, (good1.job_id, good2.job_id, victim.job_id)))

@@ -141,6 +141,13 @@ class Settings(BaseSettings):
         "(seconds). Kafka redelivery recovers a crashed run within a session timeout plus a "
         "lease; the sweeper is the backstop for runs nothing will redeliver."
     )
+    sweep_stall_grace_s: float = Field(
+        300.0, ge=0, description="Sweeper backstop for a lost stage event: a job whose last "
+        "checkpoint succeeded this long ago (seconds, times 2 ** its sweeps), whose next stage "
+        "was never claimed and which has no row waiting in the outbox gets the next stage's "
+        "event re-emitted through the outbox (a duplicate is skipped by the idempotent "
+        "consumer). Keep it above the longest consumer lag you expect (docs/design-notes.md).",
+    )
     llm_local_one_transaction: bool = Field(
         True, description="The llm stage of a job on the in-process model (local profile) "
         "claims, answers and completes in ONE transaction, shared with other events like the "

@@ -125,6 +125,18 @@ class ExpiredLease:
 
 
 @dataclass(frozen=True)
+class StalledJob:
+    """An open job whose next stage was never claimed long after its last checkpoint (the
+    sweeper's second work list): the stage that should run next (``stage``), the checkpoint
+    before it and the payload that checkpoint emitted (the lost event's payload)."""
+
+    job_id: uuid.UUID
+    stage: str
+    checkpoint: str
+    emitted: Any
+
+
+@dataclass(frozen=True)
 class ProviderBudget:
     """What a job's provider budget has used so far: the stage's attempts per chunk index (all
     runs and retry rounds), the stage's attempts and cost, and the job's cost (USD, every
@@ -1191,6 +1203,42 @@ class Store:
         with self.tx() as conn:
             return [typed_row(ExpiredLease, r)
                     for r in conn.execute(Q["expired_leases"], (grace_s,))]
+
+    @staticmethod
+    def _stalled_params(grace_s: float, job_id: uuid.UUID | None) -> dict[str, Any]:
+        return {"stages": list(STAGES[:-1]), "nexts": list(STAGES[1:]), "grace_s": grace_s,
+                "job_id": job_id}
+
+    def stalled_jobs(self, grace_s: float) -> list[StalledJob]:
+        """Open jobs whose last checkpoint succeeded over ``grace_s`` seconds ago (times the
+        job's sweep backoff, ``2 ** sweeps``) while the next stage was never claimed and no
+        outbox row of the job waits for the relay: the next stage's event was lost. At most
+        100, oldest checkpoint first."""
+        with self.tx() as conn:
+            return [typed_row(StalledJob, r) for r in conn.execute(
+                Q["stalled_jobs"], self._stalled_params(grace_s, None))]
+
+    def reemit_stalled(self, job_id: uuid.UUID, *, stage: str, grace_s: float,
+                       build: Callable[[JobRow, Any], OutboxMessage]) -> None:
+        """Re-emit the lost input event of ``stage`` (ONE transaction, under the job's row
+        lock, which every claim takes first): re-check that the job is still stalled before
+        ``stage`` (:meth:`stalled_jobs`), count one sweep of the job (its backoff) and write
+        ``build(job, emitted)`` to the outbox: the event of the job's CURRENT generation, so a
+        late delivery of the lost one is a duplicate for the idempotent consumer. Raises
+        :class:`StaleRun` (nothing written) when the re-check fails: the stage was claimed
+        meanwhile, the job finished, or another pass re-emitted it."""
+        with self.tx() as conn:
+            conn.execute(Q["sweeper_lock_timeout"])
+            job = conn.execute(Q["get_job_for_update"], (job_id,)).fetchone()
+            if job is None:
+                raise StaleRun(f"job {job_id} is gone")
+            rows = [r for r in conn.execute(Q["stalled_jobs"],
+                                            self._stalled_params(grace_s, job_id))
+                    if r["stage"] == stage]
+            if not rows:
+                raise StaleRun(f"job {job_id} is no longer stalled before {stage}")
+            conn.execute(Q["count_sweep"], (job_id,))
+            self.add_outbox(conn, build(typed_row(JobRow, job), rows[0]["emitted"]))
 
     def stage_output(self, job_id: uuid.UUID, stage: str) -> Any:
         """The output of a succeeded stage checkpoint (``None`` if not succeeded)."""

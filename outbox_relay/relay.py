@@ -746,7 +746,8 @@ class OutboxRelay:
                 self._wait(conn, retry_s)
                 retry_s = min(retry_s * 2, self.settings.relay_backoff_cap_s)
                 continue
-            if time.monotonic() - last_sweep > self.settings.sweep_grace_s / 2:
+            if time.monotonic() - last_sweep > min(self.settings.sweep_grace_s,
+                                                   self.settings.sweep_stall_grace_s) / 2:
                 self._sweep()
                 last_sweep = time.monotonic()
             if time.monotonic() - last_gc > self.settings.gc_interval_s:

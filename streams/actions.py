@@ -9,12 +9,13 @@ fences the runs it replaces (see :meth:`jobstream.store.Store.redrive`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
 from typing import Any
 
 from jobstream.errors import RetryableError, StaleRun
-from jobstream.store import JobRow, StageCheckpoint
+from jobstream.store import JobRow, OutboxMessage, StageCheckpoint
 from schemas.events import EVENT_MODELS, JobFailed, JobFailedPayload
 from schemas.pipeline import PIPELINE
 from streams.context import StageContext, outbox_msg
@@ -122,6 +123,12 @@ def sweep(ctx: StageContext) -> list[str]:
     ``stage_attempts_exhausted`` instead. Finally, orphan provider attempts are closed
     ``abandoned`` (:meth:`Store.close_orphans`).
 
+    Then every job stalled between stages (its last checkpoint succeeded over
+    ``sweep_stall_grace_s`` ago, times ``2 ** sweeps``, the next stage was never claimed and
+    no outbox row of the job waits for the relay) gets the next stage's input event re-emitted
+    through the outbox: the event was lost on the way (e.g. its offset committed past it after
+    a broker restart, docs/design-notes.md "Stalled between stages").
+
     Returns one line per action. A crash or a pause must never leave a job stuck forever.
     Raises :class:`RetryableError` when Postgres is unavailable.
     """
@@ -152,9 +159,43 @@ def sweep(ctx: StageContext) -> list[str]:
             log.info("sweeper skipped %s/%s: %s", job_id, stage, exc)
         except RetryableError as exc:  # a row lock held too long (lock_timeout): next pass
             log.warning("sweeper postponed %s/%s: %s", job_id, stage, exc)
+    actions += _reemit_lost_events(ctx)
     try:
         if closed := ctx.store.close_orphans():
             actions.append(f"closed {closed} orphan provider attempts (abandoned)")
     except RetryableError as exc:
         log.warning("sweeper postponed closing orphan attempts: %s", exc)
+    return actions
+
+
+def _reemit_lost_events(ctx: StageContext) -> list[str]:
+    """The sweeper's backstop for a lost stage event (see :func:`sweep`): re-emit, through
+    the outbox, the input event of the next stage of every stalled job, of the job's current
+    generation (the stage claims it normally; a late copy of the lost one is a duplicate).
+    Returns one line per job re-emitted."""
+    actions: list[str] = []
+    grace = ctx.settings.sweep_stall_grace_s
+    try:
+        stalled = ctx.store.stalled_jobs(grace)
+    except RetryableError as exc:
+        log.warning("sweeper postponed the stalled-job pass: %s", exc)
+        return actions
+
+    def build(job: JobRow, emitted: Any, *, stage: str) -> OutboxMessage:
+        model = EVENT_MODELS[CONSUMES[stage]]
+        ev = model(tenant_id=job.tenant_id, idempotency_key=job.idempotency_key,
+                   job_id=job.job_id, dedup_key=job.dedup_key, request_id=job.request_id,
+                   generation=job.generation, payload=emitted)
+        return outbox_msg(ctx, ev, job.lane)
+
+    for row in stalled:
+        try:
+            ctx.store.reemit_stalled(row.job_id, stage=row.stage, grace_s=grace,
+                                     build=functools.partial(build, stage=row.stage))
+            actions.append(f"re-emitted {CONSUMES[row.stage]} of {row.job_id}: {row.stage} "
+                           f"never claimed after {row.checkpoint}")
+        except StaleRun as exc:
+            log.info("sweeper skipped %s/%s: %s", row.job_id, row.stage, exc)
+        except RetryableError as exc:  # a row lock held too long (lock_timeout): next pass
+            log.warning("sweeper postponed %s/%s: %s", row.job_id, row.stage, exc)
     return actions

@@ -242,6 +242,22 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
         faults.point("stage_after_commit_before_offset")
         tracker.done(msg.tp, msg.offset, epoch)
 
+    async def rewind_if_gap(event: faust.EventT[Any]) -> None:
+        """Seek the event's partition back if messages between the position it was sought to
+        and this event were fetched but never reached this agent (``streams/offsets.py``,
+        "gap"): they are read again; the commit stays below them meanwhile."""
+        msg = event.message
+        back = tracker.take_rewind(msg.tp)
+        if back is not None:
+            log.warning("%s: %s[%d]@%d arrived but offsets from %d were never taken (dropped "
+                        "after a seek); seeking back to %d", name, msg.topic, msg.partition,
+                        msg.offset, back, back)
+            try:
+                await app.consumer.seek(msg.tp, back)
+            except Exception as exc:  # noqa: BLE001 - revoked meanwhile: the next owner re-reads
+                log.warning("%s: seek back of %s[%d] failed: %s", name, msg.topic,
+                            msg.partition, describe(exc))
+
     def current(event: faust.EventT[Any]) -> bool:
         """False for an event taken before a rebalance that happened while it waited for a
         slot (faust's own generation check, repeated): the partition's next owner, maybe
@@ -263,6 +279,7 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
                     slots.release()
                     continue
                 epoch = tracker.received(event.message.tp, event.message.offset)
+                await rewind_if_gap(event)
                 task = asyncio.create_task(run_one(event, epoch))
                 running.add(task)
                 task.add_done_callback(running.discard)
@@ -275,6 +292,7 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
         async for event in stream.events():
             msg = event.message
             epoch = tracker.received(msg.tp, msg.offset)
+            await rewind_if_gap(event)
             try:
                 try:
                     not_before = int(_header(event, "retry_not_before_ms") or 0) / 1000

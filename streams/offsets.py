@@ -38,11 +38,18 @@ event's work is done. So we track completion ourselves and hand faust only the r
 
 Only messages an agent actually took count (:meth:`CompletionTracker.received`): an event
 dropped at a rebalance (faust's generation check, or ours in ``streams/base.py``) is never
-registered, so the commit cannot pass it, and the rewind above re-reads it for the next owner.
+registered, and the rewind above re-reads it for the next owner. That alone did not keep the
+commit below it: when later offsets of the partition reached the agent first, "the lowest
+offset in flight" was above the dropped ones, and the group committed past them (the broker
+SIGKILL stall: docs/design-notes.md "Stalled between stages"). So every seek also tells the
+tracker where the partition was sought to (:meth:`CompletionTracker.sought`): the commit stays
+at or below that offset until it is taken, and the first offset taken above it asks for one
+seek back (:meth:`CompletionTracker.take_rewind`, done by the agent in ``streams/base.py``).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -51,12 +58,17 @@ from typing import Any
 import faust
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+log = logging.getLogger("jobstream.streams")
+
 
 @dataclass
 class _Partition:
     epoch: int = 0
     in_flight: dict[int, int] = field(default_factory=dict)  # offset -> copies in flight
     next_offset: int | None = None  # one past the highest offset received
+    floor: int | None = None  # sought to, not received since: the commit never passes it
+    rewind: int | None = None  # a gap seen above ``floor``: seek back here (once per floor)
+    sought_back: bool = False  # the seek back for ``floor`` was asked for
 
 
 class CompletionTracker:
@@ -74,6 +86,17 @@ class CompletionTracker:
         to pass to :meth:`done`."""
         with self._lock:
             p = self._parts.setdefault(tp, _Partition())
+            if p.floor is not None:
+                if offset <= p.floor:  # the read resumed where it was sought to
+                    p.floor, p.sought_back = None, False
+                elif not p.sought_back:  # [floor, offset) fetched but never taken: re-read
+                    p.rewind, p.sought_back = p.floor, True
+                elif p.next_offset is not None and offset < p.next_offset:
+                    # The re-read after the seek back started above floor: a real gap.
+                    log.warning("offsets %d..%d of %s[%d] are not in the log after a seek "
+                                "back (transaction markers or compaction); going on",
+                                p.floor, offset - 1, tp[0], tp[1])
+                    p.floor, p.sought_back = None, False
             p.in_flight[offset] = p.in_flight.get(offset, 0) + 1
             if p.next_offset is None or offset + 1 > p.next_offset:
                 p.next_offset = offset + 1
@@ -92,12 +115,37 @@ class CompletionTracker:
 
     def committable(self, tp: Any) -> int | None:
         """The offset to commit for ``tp``: the lowest offset still in flight (every message
-        below it is done), else one past the highest received; None before the first."""
+        below it is done), else one past the highest received; None before the first. Never
+        above the offset ``tp`` was last sought to (:meth:`sought`) until that offset, or one
+        below it, was received: messages fetched after a seek and dropped before an agent took
+        them (a rebalance) must be read again, not committed past."""
         with self._lock:
             p = self._parts.get(tp)
             if p is None:
                 return None
-            return min(p.in_flight) if p.in_flight else p.next_offset
+            offset = min(p.in_flight) if p.in_flight else p.next_offset
+            if offset is not None and p.floor is not None:
+                return min(offset, p.floor)
+            return offset
+
+    def sought(self, tp: Any, offset: int) -> None:
+        """Record that the consumer's position of ``tp`` was set to ``offset`` (a seek to the
+        committed offset): the next offset received should be ``offset``. One above it means
+        the messages between were fetched and dropped before an agent took them; then the
+        commit is held at ``offset`` and :meth:`take_rewind` asks for one seek back."""
+        with self._lock:
+            p = self._parts.setdefault(tp, _Partition())
+            p.floor, p.rewind, p.sought_back = offset, None, False
+
+    def take_rewind(self, tp: Any) -> int | None:
+        """The offset to seek ``tp`` back to, once, if the last :meth:`received` offset left
+        a gap above the position it was sought to (see :meth:`sought`); else None."""
+        with self._lock:
+            p = self._parts.get(tp)
+            if p is None or p.rewind is None:
+                return None
+            offset, p.rewind = p.rewind, None
+            return offset
 
     def in_flight(self, tp: Any) -> list[int]:
         """Offsets of ``tp`` still being processed, ascending."""
@@ -113,14 +161,18 @@ class CompletionTracker:
                 self._parts[tp] = _Partition(epoch=(old.epoch + 1) if old else 1)
 
 
-async def rewind_to_committed(consumer: AIOKafkaConsumer) -> dict[TopicPartition, int | None]:
+async def rewind_to_committed(consumer: AIOKafkaConsumer,
+                              tracker: CompletionTracker | None = None
+                              ) -> dict[TopicPartition, int | None]:
     """Seek every partition assigned to ``consumer`` to its group's committed offset, or to
     the beginning (``auto_offset_reset=earliest``) where the group committed nothing or 0.
 
     Returns ``{partition: committed offset or None}`` (what faust's ``perform_seek`` expects
     from ``seek_to_committed``). aiokafka's own ``seek_to_committed`` skips the seek when the
     committed offset is 0 or absent, leaving the position after records that were fetched and
-    then dropped. Raises what ``AIOKafkaConsumer.committed`` raises (broker errors).
+    then dropped. ``tracker``: told where each partition was sought to
+    (:meth:`CompletionTracker.sought`). Raises what ``AIOKafkaConsumer.committed`` raises
+    (broker errors).
     """
     committed: dict[TopicPartition, int | None] = {}
     from_start = []
@@ -131,12 +183,16 @@ async def rewind_to_committed(consumer: AIOKafkaConsumer) -> dict[TopicPartition
             from_start.append(tp)
         else:
             consumer.seek(tp, offset)
+            if tracker is not None:
+                tracker.sought(tp, offset)
     # An explicit offset, not seek_to_beginning(): that leaves the position unknown until the
     # fetcher resolves it, and faust's livelock check reads it meanwhile (AssertionError,
     # consumer crashed).
     if from_start:
         for tp, offset in (await consumer.beginning_offsets(from_start)).items():
             consumer.seek(tp, offset)
+            if tracker is not None:
+                tracker.sought(tp, offset)
     return committed
 
 
@@ -158,7 +214,7 @@ class TrackedConsumerMixin:
         (:func:`rewind_to_committed`), run in the consumer's thread."""
         thread = self._thread  # type: ignore[attr-defined]  # faust Consumer's, mixed in
         rewound: dict[TopicPartition, int | None] = await thread.call_thread(
-            rewind_to_committed, thread._ensure_consumer())
+            rewind_to_committed, thread._ensure_consumer(), self.tracker)
         return rewound
 
     async def _commit_offsets(self, offsets: Any, start_new_transaction: bool = True) -> bool:

@@ -371,6 +371,27 @@ SELECT s.job_id, s.stage, s.run_token, s.attempt, s.lease_until FROM job_stage s
    AND j.status IN ('queued', 'running')
  ORDER BY s.lease_until LIMIT 100;
 
+-- name: stalled_jobs
+-- Open jobs whose last checkpoint succeeded over the grace ago (times the job's sweep backoff)
+-- while the next stage was never claimed (no row, or pending: re-driven, not yet claimed):
+-- the next stage's event was lost (never delivered, or its offset committed past it). The
+-- sweeper re-emits that event. %(stages)s / %(nexts)s: each stage paired with the one after it.
+-- A job with a row still in the outbox (published rows are deleted) is left alone: the relay
+-- is behind or parked it, the event is not lost. %(job_id)s: one job (the re-check, under the
+-- job's row lock), or NULL for every job.
+SELECT j.job_id, p.next AS stage, p.stage AS checkpoint, s.emitted
+  FROM job j
+  JOIN job_stage s ON s.job_id = j.job_id AND s.status = 'succeeded'
+  JOIN unnest(%(stages)s::text[], %(nexts)s::text[]) AS p (stage, next) ON p.stage = s.stage
+ WHERE j.status IN ('queued', 'running') AND NOT j.cancel_requested
+   AND (%(job_id)s::uuid IS NULL OR j.job_id = %(job_id)s::uuid)
+   AND greatest(s.updated_at, j.updated_at, j.swept_at)  -- greatest() skips NULL
+       < now() - make_interval(secs => %(grace_s)s * power(2, least(j.sweeps, 6)))
+   AND NOT EXISTS (SELECT 1 FROM outbox o WHERE o.kafka_key = j.job_id::text)
+   AND NOT EXISTS (SELECT 1 FROM job_stage n
+                    WHERE n.job_id = j.job_id AND n.stage = p.next AND n.status <> 'pending')
+ ORDER BY s.updated_at LIMIT 100;
+
 -- name: succeed_job
 UPDATE job SET status = 'succeeded', current_stage = 'publish', charge_usd = %s,
                finished_at = now(), updated_at = now()

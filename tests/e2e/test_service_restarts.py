@@ -168,7 +168,12 @@ def test_kafka_broker_restart_mid_batch_keeps_exactly_once(
         private_services: PrivateServices, private_settings: Settings,
         private_procs: ProcessRunner, tmp_path: Path, immediate: bool) -> None:
     s, tenant = private_settings, "kafka-restart"
-    procs = private_procs.pipeline(JOBSTREAM_CHUNK_SIZE_CHARS=str(CHUNK_SIZE_CHARS))
+    # About 1 run in 20-35 (sigkill) a stage event never reaches its agent after the restart
+    # and the job stalls between stages (docs/design-notes.md "Stalled between stages"): the
+    # sweeper's backstop re-emits it, here after 30 s instead of 300 (a duplicate of an event
+    # merely late is skipped by the idempotent consumer; the invariants below still hold).
+    procs = private_procs.pipeline(JOBSTREAM_CHUNK_SIZE_CHARS=str(CHUNK_SIZE_CHARS),
+                                   JOBSTREAM_SWEEP_STALL_GRACE_S="30")
     _submit_batch(s, tmp_path, tenant)
     done_before = _wait_mid_batch(s, tenant, private_procs)
     private_services.stop("kafka", immediate=immediate)
@@ -179,6 +184,8 @@ def test_kafka_broker_restart_mid_batch_keeps_exactly_once(
         private_services.start("kafka")
     print(f"kafka stopped with {done_before}/{DOCS} jobs done")
     _assert_batch_complete(s, tenant, private_procs, procs, timeout_s=120)
+    reemitted = [line for line in procs["relay"].log_text().splitlines() if "re-emitted" in line]
+    print(f"stalled jobs the sweeper re-emitted: {len(reemitted)}", *reemitted, sep="\n")
 
 
 @pytest.mark.parametrize("immediate", [False, True], ids=["fast", "immediate"])

@@ -51,3 +51,44 @@ def test_an_event_dropped_before_it_was_taken_never_counts() -> None:
     assert t.committable(TP) == 0
     t.done(TP, 0, epoch)
     assert t.committable(TP) == 1
+
+
+def test_messages_dropped_after_a_seek_are_not_committed_past_and_are_read_again() -> None:
+    # The stall after a broker SIGKILL restart (docs/design-notes.md "Stalled between
+    # stages"): job.chunks_ready[2] was sought to 0 (nothing committed), offsets 0 and 1 were
+    # fetched and dropped before the llm agent took them, 2..5 reached it; the group then
+    # committed 2 and 0, 1 were never read again.
+    t = CompletionTracker()
+    t.reset([TP])
+    t.sought(TP, 0)
+    epochs = {o: t.received(TP, o) for o in (2, 3)}
+    assert t.take_rewind(TP) == 0 and t.take_rewind(TP) is None  # one seek back
+    for o, e in epochs.items():
+        t.done(TP, o, e)
+    assert t.committable(TP) == 0  # not 4: offsets 0 and 1 were never taken
+    e4 = t.received(TP, 4)  # still fetched before the seek back took effect
+    t.done(TP, 4, e4)
+    assert t.committable(TP) == 0 and t.take_rewind(TP) is None
+    for o in range(0, 5):  # the re-read from 0 (2..4 are duplicates for the stage)
+        t.done(TP, o, t.received(TP, o))
+    assert t.committable(TP) == 5 and t.take_rewind(TP) is None
+
+
+def test_a_read_that_resumes_where_it_was_sought_to_changes_nothing() -> None:
+    t = CompletionTracker()
+    t.sought(TP, 7)
+    assert t.committable(TP) is None  # nothing received: nothing to commit
+    t.done(TP, 7, t.received(TP, 7))
+    assert t.take_rewind(TP) is None and t.committable(TP) == 8
+
+
+def test_a_real_gap_after_the_seek_back_lets_the_commit_go_on() -> None:
+    # The committed offset points at a transaction marker (no message there): the seek back
+    # reads from the next message again; then the gap is real and the commit moves on.
+    t = CompletionTracker()
+    t.sought(TP, 10)
+    t.done(TP, 11, t.received(TP, 11))
+    assert t.take_rewind(TP) == 10 and t.committable(TP) == 10
+    t.done(TP, 11, t.received(TP, 11))  # the re-read starts at 11 again
+    t.done(TP, 12, t.received(TP, 12))
+    assert t.committable(TP) == 13 and t.take_rewind(TP) is None

@@ -378,18 +378,20 @@ SELECT s.job_id, s.stage, s.run_token, s.attempt, s.lease_until FROM job_stage s
 -- sweeper re-emits that event. %(stages)s / %(nexts)s: each stage paired with the one after it.
 -- A job with a row still in the outbox (published rows are deleted) is left alone: the relay
 -- is behind or parked it, the event is not lost. %(job_id)s: one job (the re-check, under the
--- job's row lock), or NULL for every job.
+-- job's row lock), or NULL for every job. A next stage given back for a retry (pending, its
+-- event on the retry topic, due within retry_cap_s) counts from when it was given back
+-- (n.updated_at), so an event waiting out its backoff is not re-emitted past it.
 SELECT j.job_id, p.next AS stage, p.stage AS checkpoint, s.emitted
   FROM job j
   JOIN job_stage s ON s.job_id = j.job_id AND s.status = 'succeeded'
   JOIN unnest(%(stages)s::text[], %(nexts)s::text[]) AS p (stage, next) ON p.stage = s.stage
+  LEFT JOIN job_stage n ON n.job_id = j.job_id AND n.stage = p.next
  WHERE j.status IN ('queued', 'running') AND NOT j.cancel_requested
    AND (%(job_id)s::uuid IS NULL OR j.job_id = %(job_id)s::uuid)
-   AND greatest(s.updated_at, j.updated_at, j.swept_at)  -- greatest() skips NULL
+   AND (n.job_id IS NULL OR n.status = 'pending')
+   AND greatest(s.updated_at, j.updated_at, j.swept_at, n.updated_at)  -- skips NULLs
        < now() - make_interval(secs => %(grace_s)s * power(2, least(j.sweeps, 6)))
    AND NOT EXISTS (SELECT 1 FROM outbox o WHERE o.kafka_key = j.job_id::text)
-   AND NOT EXISTS (SELECT 1 FROM job_stage n
-                    WHERE n.job_id = j.job_id AND n.stage = p.next AND n.status <> 'pending')
  ORDER BY s.updated_at LIMIT 100;
 
 -- name: succeed_job

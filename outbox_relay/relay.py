@@ -402,6 +402,15 @@ class OutboxRelay:
             now = time.monotonic()
             if got is None or (now - got[1] > 60 and topic not in self._missing_topics):
                 got = self._topic_limits[topic] = (self._topic_limit(topic), now)
+                if got[0] is not None and got[0] < self.settings.kafka_message_max_bytes:
+                    log.warning(
+                        "topic %s takes messages up to %d bytes (max.message.bytes), less than "
+                        "this relay produces (JOBSTREAM_KAFKA_MESSAGE_MAX_BYTES=%d): its rows "
+                        "go one at a time, each waiting for the broker, to keep per-key order "
+                        "when a large row is refused (much slower). Create the topic with "
+                        "`jobstream topics` or raise its max.message.bytes, or lower the "
+                        "setting to the topic's limit", topic, got[0],
+                        self.settings.kafka_message_max_bytes)
         return got[0] is not None and got[0] < self.settings.kafka_message_max_bytes
 
     def _topic_limit(self, topic: str) -> int | None:

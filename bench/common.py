@@ -30,7 +30,13 @@ from psycopg import sql
 
 from jobstream.db import migrate
 from jobstream.drills import procs
-from jobstream.kafka import all_topics, base_config, delete_topics, topic_partitions
+from jobstream.kafka import (
+    all_topics,
+    base_config,
+    delete_topics,
+    topic_max_message_bytes,
+    topic_partitions,
+)
 from jobstream.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,11 +140,16 @@ def fresh_database(server_url: str, label: str) -> Iterator[str]:
 
 def create_topics(settings: Settings, names: Sequence[str], *, partitions: int,
                   config: dict[str, str] | None = None, timeout_s: float = 30.0) -> None:
-    """Create full topic ``names`` (waits until each has leaders)."""
+    """Create full topic ``names`` (waits until each has leaders), with ``max.message.bytes``
+    as jobstream creates its topics (:func:`jobstream.kafka.topic_max_message_bytes`) unless
+    ``config`` says otherwise: a topic at the broker's default (~1 MB), below the producer's
+    ``message.max.bytes``, makes the relay send its rows one at a time (its ``_narrow``)."""
     admin = AdminClient(base_config(settings))
-    futs = admin.create_topics([NewTopic(n, num_partitions=partitions, replication_factor=1,
-                                         config=config or {}) for n in names],
-                               operation_timeout=timeout_s)
+    futs = admin.create_topics(
+        [NewTopic(n, num_partitions=partitions, replication_factor=1,
+                  config={"max.message.bytes": str(topic_max_message_bytes(settings, n)),
+                          **(config or {})}) for n in names],
+        operation_timeout=timeout_s)
     for f in futs.values():
         f.result(timeout=timeout_s)
     deadline = time.monotonic() + timeout_s

@@ -37,6 +37,12 @@ POINTS = (
 _hits: Counter[str] = Counter()
 
 
+def armed() -> bool:
+    """True when some fault point is armed (``JOBSTREAM_FAULT`` set): a caller can skip work
+    that only names points (e.g. the relay's per-event-type points of a batch)."""
+    return bool(os.environ.get("JOBSTREAM_FAULT"))
+
+
 def point(name: str) -> None:
     """SIGKILL (or SIGSTOP) this process if ``name`` is armed and this is its N-th hit; else
     return. Raises ``ValueError`` for an action other than ``kill`` or ``stop``."""

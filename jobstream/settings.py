@@ -265,22 +265,6 @@ class Settings(BaseSettings):
         0.005, gt=0, description="Relay, caught up with rows in flight: how long it waits for "
                                  "a NOTIFY before marking the acknowledged rows (seconds)."
     )
-    relay_prefetch: bool = Field(
-        False, description="Relay, draining a backlog: read the next batch on a connection of "
-                           "its own while the current one is produced, instead of waiting for "
-                           "each fetch (one more Postgres connection per active relay). Off by "
-                           "default: it did not raise the drain rate here and cost ~1.5 us of "
-                           "relay CPU per row (bench/README.md)."
-    )
-    relay_notify_below_rate: float = Field(
-        0.0, ge=0, description="Relay: while outbox rows arrive faster than this (rows/s over "
-                               "0.1 s) it polls every relay_in_flight_wait_s and writers send "
-                               "no NOTIFY (a NOTIFY serialises the commits of every transaction "
-                               "sending one, server-wide); below it they notify and it waits "
-                               "for them. 0 (default): writers always notify. Opt-in: it "
-                               "raised writers' commits/s ~1.7x but the relay's commit -> "
-                               "broker latency at 1.5k/s rose (bench/README.md)."
-    )
     relay_rescan_s: float = Field(
         1.0, gt=0, description="Relay, draining a backlog: how often it also looks below its "
                                "last id for rows of transactions that committed late (seconds)."

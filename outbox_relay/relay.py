@@ -23,12 +23,9 @@ Protocol (design.md, "Outbox relay"):
    in one transaction; the relay goes on. Rows that failed with a retriable error stay
    unpublished and are re-sent after a backoff (0.5 s doubling to ``relay_backoff_cap_s``).
 5. Wake on ``LISTEN outbox_v1`` (a NOTIFY is sent by a trigger at commit); fall back to polling
-   every ``relay_poll_interval_s``. With ``relay_notify_below_rate`` set (opt-in), while rows
-   arrive faster than that the relay disarms the trigger's NOTIFY (migration 0025: a NOTIFY
-   serialises commits server-wide) and polls every ``relay_in_flight_wait_s`` instead.
-   Every ``gc_interval_s`` the active relay runs retention (:mod:`jobstream.retention`):
-   ``outbox_published`` records, idempotent-consumer rows and idempotency records past their
-   horizons, a bounded number of batches per run.
+   every ``relay_poll_interval_s``. Every ``gc_interval_s`` the active relay runs retention
+   (:mod:`jobstream.retention`): ``outbox_published`` records, idempotent-consumer rows and
+   idempotency records past their horizons, a bounded number of batches per run.
 6. The active relay also runs the stuck-stage sweeper (``streams.actions.sweep``).
 """
 
@@ -64,11 +61,6 @@ RELAY_LOCK_ID = 0x6F757462  # "outb": the active-relay advisory lock
 HOUSEKEEPING_LOCK_ID = 0x6F757463  # the same for --housekeeping-only (Debezium publishes)
 CHANNEL = "outbox_v1"
 GC_MAX_BATCHES = 20  # per table and run: retention must not hold up publishing for long
-#: The window over which the relay measures how fast rows arrive (relay_notify_below_rate).
-RATE_WINDOW_S = 0.1
-#: After re-arming the writers' NOTIFY the relay still polls this long: a writer that read the
-#: flag just before it was set commits within it (a longer one waits for the next poll).
-ARM_GRACE_S = 0.05
 
 
 class DeliveryFailed(Exception):
@@ -195,75 +187,6 @@ class Marker(threading.Thread):
             log.debug("marker connection close: %s", exc)
 
 
-class Prefetcher(threading.Thread):
-    """Reads the next batch after the relay's last id on a connection of its own while the
-    relay's loop produces the current one (a backlog draining): the loop's fetch then finds
-    its rows decoded instead of waiting for Postgres (bench/README.md: the wait for the fetch
-    was the largest share of the loop). A prefetched batch is what ``outbox_fetch_after``
-    would have returned a moment earlier: rows of transactions that commit late below or
-    inside it are the look from the floor's, as ever. One request at a time; an error (e.g.
-    Postgres gone) is raised by the :meth:`take` that wanted its rows."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__(name="relay-prefetch", daemon=True)
-        self._conn = connect(url, autocommit=True)
-        set_json_loads(orjson.loads, self._conn)
-        self._requests: queue.Queue[tuple[int, int] | None] = queue.Queue()
-        self._want: tuple[int, int] | None = None  # the request outstanding or answered
-        self._done = threading.Event()
-        self._rows: list[tuple[Any, ...]] = []
-        self._error: Exception | None = None
-        self.transactions = 0  # statements run (one autocommit transaction each)
-
-    def request(self, after: int, n: int) -> None:
-        """Start reading the ``n`` unpublished rows after id ``after`` (a request not taken
-        yet is dropped)."""
-        self.discard()
-        self._want = (after, n)
-        self._done.clear()
-        self._requests.put((after, n))
-
-    def take(self, after: int, n: int) -> list[tuple[Any, ...]] | None:
-        """The rows of the request for ``(after, n)`` (waiting for it), or None when there is
-        no such request (the caller reads them itself). Raises the request's error."""
-        if self._want != (after, n):
-            self.discard()
-            return None
-        self._done.wait()
-        self._want = None
-        rows, self._rows = self._rows, []
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-        return rows
-
-    def discard(self) -> None:
-        """Drop the outstanding request (waiting for its statement to finish)."""
-        if self._want is not None:
-            self._done.wait()
-            self._want, self._rows, self._error = None, [], None
-
-    def run(self) -> None:
-        while (item := self._requests.get()) is not None:
-            try:
-                self.transactions += 1
-                with self._conn.cursor(row_factory=tuple_row) as cur:
-                    self._rows = cur.execute(Q["outbox_fetch_after"], item).fetchall()
-            except Exception as exc:  # raised by take()
-                self._error = exc
-            finally:
-                self._done.set()
-
-    def close(self) -> None:
-        """Stop the thread and close its connection."""
-        self._requests.put(None)
-        self.join(60)
-        try:
-            self._conn.close()
-        except Exception as exc:  # a connection already broken
-            log.debug("prefetch connection close: %s", exc)
-
-
 class OutboxRelay:
     """Publishes the outbox until :meth:`stop` is called (thread-safe) or a signal arrives."""
 
@@ -287,16 +210,12 @@ class OutboxRelay:
         self._failed: list[tuple[tuple[Any, ...], KafkaError]] = []
         self._refused: list[tuple[tuple[Any, ...], str]] = []
         self._marker: Marker | None = None  # in run(): marks on a connection of its own
-        self._prefetch: Prefetcher | None = None  # in run(): the next batch read ahead
         self._hwm = 0  # the highest id fetched
         self._draining = False  # the last fetch was a full batch: continue after _hwm
         self._floor = 0  # rows below it were published (or parked) when it was recorded
         self._floors: deque[tuple[float, int]] = deque()  # (monotonic time, floor) per rescan
         self._last_rescan = self._last_full = time.monotonic()
         self._touched = time.monotonic()  # the last statement on the lock session
-        # Writers' NOTIFY armed (migration 0025), since when; rows fetched in the rate window.
-        self._armed, self._armed_at = True, 0.0
-        self._window_rows, self._window_start = 0, time.monotonic()
         #: Topics the broker's metadata said do not exist -> when that was first seen
         #: (monotonic s); see _missing_past_grace.
         self._missing_topics: dict[str, float] = {}
@@ -373,21 +292,17 @@ class OutboxRelay:
         return len(rows)
 
     def _fetch(self, conn: Conn) -> list[tuple[Any, ...]]:
-        """The next rows to produce, in id order (see the comment above :meth:`pump`)."""
+        """The next rows to produce, in id order (see the comment above :meth:`pump`). Read in
+        binary: the payload (bytea) comes as its bytes instead of hex text that Postgres
+        encodes and the client decodes (~1 us less per row on each side, bench/README.md)."""
         n, st = self.settings.relay_batch_size, self.settings
         now = time.monotonic()
         if self._draining and now - self._last_rescan < st.relay_rescan_s:
             self.mark(conn)  # on the marker thread: rows after _hwm only are read here
-            got = None if self._prefetch is None else self._prefetch.take(self._hwm, n)
-            if got is not None:
-                rows = got  # its transaction is counted by the prefetcher
-            else:
-                self.stats.transactions += 1
-                with conn.cursor(row_factory=tuple_row) as cur:
-                    rows = cur.execute(Q["outbox_fetch_after"], (self._hwm, n)).fetchall()
+            self.stats.transactions += 1
+            with conn.cursor(row_factory=tuple_row, binary=True) as cur:
+                rows = cur.execute(Q["outbox_fetch_after"], (self._hwm, n)).fetchall()
         else:
-            if self._prefetch is not None:
-                self._prefetch.discard()  # this look reads the rows after _hwm itself
             floors = self._floors
             while floors and now - floors[0][0] >= st.relay_late_commit_s:
                 self._floor = floors.popleft()[1]
@@ -405,7 +320,7 @@ class OutboxRelay:
             ids = self._take_acked()
             skip = list(pending.keys() | marking | set(ids))
             self.stats.transactions += 1
-            with conn.cursor(row_factory=tuple_row) as cur:
+            with conn.cursor(row_factory=tuple_row, binary=True) as cur:
                 rows = cur.execute(Q["outbox_delete_and_fetch"],
                                    {"floor": floor, "hwm": hwm, "skip": skip, "n": n,
                                     **delete_params(ids, self._acked_at,
@@ -419,8 +334,6 @@ class OutboxRelay:
         self._draining = len(rows) >= n
         if rows:
             self._hwm = max(self._hwm, max(r[0] for r in rows))
-        if self._draining and self._prefetch is not None:
-            self._prefetch.request(self._hwm, n)  # read while these rows are produced
         return rows
 
     def _forget_floor(self) -> None:
@@ -489,6 +402,15 @@ class OutboxRelay:
             now = time.monotonic()
             if got is None or (now - got[1] > 60 and topic not in self._missing_topics):
                 got = self._topic_limits[topic] = (self._topic_limit(topic), now)
+                if got[0] is not None and got[0] < self.settings.kafka_message_max_bytes:
+                    log.warning(
+                        "topic %s takes messages up to %d bytes (max.message.bytes), less than "
+                        "this relay produces (JOBSTREAM_KAFKA_MESSAGE_MAX_BYTES=%d): its rows "
+                        "go one at a time, each waiting for the broker, to keep per-key order "
+                        "when a large row is refused (much slower). Create the topic with "
+                        "`jobstream topics` or raise its max.message.bytes, or lower the "
+                        "setting to the topic's limit", topic, got[0],
+                        self.settings.kafka_message_max_bytes)
         return got[0] is not None and got[0] < self.settings.kafka_message_max_bytes
 
     def _topic_limit(self, topic: str) -> int | None:
@@ -547,9 +469,10 @@ class OutboxRelay:
         acked = self._acked
         if not acked:
             return []
-        faults.point("relay_after_produce_before_mark")
-        for event_type in sorted({r[5] for r in acked}):
-            faults.point(f"relay_after_produce_before_mark:{event_type}")
+        if faults.armed():  # the set of a batch's event types only for a crash test
+            faults.point("relay_after_produce_before_mark")
+            for event_type in sorted({r[5] for r in acked}):
+                faults.point(f"relay_after_produce_before_mark:{event_type}")
         self._acked = []
         self.stats.published += len(acked)
         self.stats.batches += 1
@@ -799,29 +722,6 @@ class OutboxRelay:
             self._stop.wait(min(left, self.settings.relay_lock_timeout_s / 3))
             self._keep_lock(conn)
 
-    def _set_armed(self, conn: Conn, armed: bool) -> None:
-        """Arm (writers NOTIFY on commit) or disarm (the relay polls) the outbox trigger."""
-        conn.execute(Q["relay_arm_notify"], (1 if armed else 0,))
-        self.stats.transactions += 1
-        self._armed, self._armed_at = armed, time.monotonic()
-        log.debug("writers' NOTIFY %s", "armed" if armed else "disarmed: polling")
-
-    def _polling(self, conn: Conn, rows: int) -> bool:
-        """Count ``rows`` fetched; every RATE_WINDOW_S disarm the writers' NOTIFY when rows
-        came faster than ``relay_notify_below_rate`` (re-arm it when slower). True while the
-        relay must poll rather than wait for a NOTIFY: disarmed, or armed only just now."""
-        rate = self.settings.relay_notify_below_rate
-        if rate <= 0 or self.housekeeping_only:
-            return False
-        now = time.monotonic()
-        self._window_rows += rows
-        if now - self._window_start >= RATE_WINDOW_S:
-            fast = self._window_rows / (now - self._window_start) >= rate
-            self._window_rows, self._window_start = 0, now
-            if fast == self._armed:
-                self._set_armed(conn, not fast)
-        return not self._armed or time.monotonic() - self._armed_at < ARM_GRACE_S
-
     def _relay_loop(self, conn: Conn) -> None:
         """Publish (or only keep house) while the lock is held and no stop was asked."""
         retry_s = 0.5
@@ -862,14 +762,7 @@ class OutboxRelay:
             if time.monotonic() - last_gc > self.settings.gc_interval_s:
                 self._gc()
                 last_gc = time.monotonic()
-            polling = self._polling(conn, n)
-            if n < batch and polling:
-                # Rows arrive fast: writers send no NOTIFY (migration 0025); look again soon.
-                for _ in conn.notifies(timeout=self.settings.relay_in_flight_wait_s,
-                                       stop_after=1):
-                    pass
-                fetch = True
-            elif n < batch:
+            if n < batch:
                 # Caught up: sleep until a NOTIFY (a commit) or the polling interval; with
                 # rows in flight only briefly, to serve their reports. Acknowledged rows
                 # wait at most relay_delete_hold_s for the next commit's NOTIFY: its fetch
@@ -910,10 +803,6 @@ class OutboxRelay:
         """On the way out (stop or error): wait briefly for the rows in flight and mark those
         delivered, so a clean stop re-publishes nothing. Best effort: what is not marked is
         published again by the next active relay."""
-        prefetch, self._prefetch = self._prefetch, None
-        if prefetch is not None:
-            prefetch.close()
-            self.stats.transactions += prefetch.transactions
         marker = self._marker
         if marker is None:
             return
@@ -948,11 +837,6 @@ class OutboxRelay:
                     if not self._acquire_lock(conn):
                         break
                     conn.execute(f"LISTEN {CHANNEL}")  # constant channel name, not input
-                    if not self.housekeeping_only:
-                        # Writers notify until rows come fast (a relay that died disarmed
-                        # left them silent); the look that follows misses nothing.
-                        self._set_armed(conn, True)
-                        self._armed_at = 0.0
                     # The jsonb headers of every fetched row, decoded by orjson (C) rather
                     # than json.loads: the largest item of the relay's profile (bench/README.md).
                     set_json_loads(orjson.loads, conn)
@@ -966,9 +850,6 @@ class OutboxRelay:
                     if not self.housekeeping_only:
                         self._marker = self._new_marker()
                         self._marker.start()
-                        if self.settings.relay_prefetch:
-                            self._prefetch = Prefetcher(self.settings.database_url)
-                            self._prefetch.start()
                     try:
                         self._relay_loop(conn)
                     finally:

@@ -381,10 +381,11 @@ SELECT s.job_id, s.stage, s.run_token, s.attempt, s.lease_until FROM job_stage s
 -- sweeper re-emits that event. %(stages)s / %(nexts)s: each stage paired with the one after it.
 -- A job with a row still in the outbox (published rows are deleted) is left alone: the relay
 -- is behind or parked it, the event is not lost. %(job_id)s: one job (the re-check, under the
--- job's row lock), or NULL for every job. A pending next stage counts from its own last
--- change too, and from when its retry is due (release_stage's lease_until): a stage given back
--- after a transient failure waits for its event in a retry topic, it is not lost (breaker4:
--- tests/e2e/test_break_stall_reemit.py).
+-- job's row lock), or NULL for every job. A next stage given back for a retry (pending, its
+-- event on the retry topic) counts from when it was given back (n.updated_at) and from when
+-- its retry is due at the latest (n.lease_until, set by release_stage: retry_cap_s or the
+-- provider's Retry-After, which may be longer than the grace), so an event waiting out its
+-- backoff is not re-emitted past it (breaker4: tests/e2e/test_break_stall_reemit.py).
 SELECT j.job_id, p.next AS stage, p.stage AS checkpoint, s.emitted
   FROM job j
   JOIN job_stage s ON s.job_id = j.job_id AND s.status = 'succeeded'
@@ -392,7 +393,7 @@ SELECT j.job_id, p.next AS stage, p.stage AS checkpoint, s.emitted
   LEFT JOIN job_stage n ON n.job_id = j.job_id AND n.stage = p.next
  WHERE j.status IN ('queued', 'running') AND NOT j.cancel_requested
    AND (%(job_id)s::uuid IS NULL OR j.job_id = %(job_id)s::uuid)
-   AND (n.status IS NULL OR n.status = 'pending')
+   AND (n.job_id IS NULL OR n.status = 'pending')
    AND greatest(s.updated_at, j.updated_at, j.swept_at, n.updated_at, n.lease_until)
        < now() - make_interval(secs => %(grace_s)s * power(2, least(j.sweeps, 6)))
        -- greatest() skips NULL
@@ -676,11 +677,6 @@ SELECT set_config('idle_session_timeout', %(ms)s, false),
 -- name: relay_touch
 -- The active relay's sign of life on its lock session (see relay_lock_session_timeout).
 SELECT 1 AS alive;
-
--- name: relay_arm_notify
--- The active relay arms (1) or disarms (0) the outbox trigger's NOTIFY (migration 0025): a
--- sequence, so writers see it at once, whatever their snapshot.
-SELECT setval('outbox_relay_armed', %s, true) AS armed;
 
 -- name: relay_try_lock
 -- One active relay (others stand by): a session-level advisory lock held while relaying.

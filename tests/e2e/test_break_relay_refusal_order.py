@@ -65,3 +65,6 @@ def test_a_row_the_broker_refuses_is_parked_and_the_key_keeps_its_order(
     parked = query(url, "SELECT reason_code, dlq_error FROM dead_letter")
     assert len(parked) == len(BAD) and parked[0]["reason_code"] == "undeliverable", parked
     assert relay.popen.poll() is None and "Traceback" not in relay.log_text(), procs.logs()
+    # The operator is told once why this topic is slow and how to fix it.
+    assert relay.log_text().count(f"topic {topic} takes messages up to 2000 bytes") == 1, (
+        relay.log_text()[-3000:])

@@ -129,3 +129,21 @@ def test_the_stall_grace_backs_off_per_job(chunked) -> None:
     _age(url, 10)
     assert len(sweep(ctx)) == 1
     assert query(url, "SELECT sweeps FROM job") == [{"sweeps": 2}]
+
+
+def test_a_stage_given_back_for_a_retry_waits_out_its_backoff_before_a_re_emission(
+        chunked) -> None:
+    """The llm stage released after a transient failure (pending, its event on the retry
+    topic): the grace counts from the release, not from the checkpoint before it."""
+    ctx, lost = chunked
+    url = ctx.settings.database_url
+    ctx.settings = ctx.settings.model_copy(update={"sweep_stall_grace_s": 60.0})
+    _lose_events(url)
+    _age(url, 120)  # the chunk checkpoint is two graces old
+    query(url, "INSERT INTO job_stage (job_id, stage, status, attempt, error_code, error) "
+               "VALUES (%s, 'llm', 'pending', 1, 'provider_unavailable', '503') RETURNING 1",
+          (lost.job_id,))
+    assert sweep(ctx) == []  # given back a moment ago: its retry is due within the backoff
+    _age(url, 120)
+    assert sweep(ctx) == [f"re-emitted job.chunks_ready of {lost.job_id}: llm never claimed "
+                          "after chunk"]

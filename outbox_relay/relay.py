@@ -396,21 +396,28 @@ class OutboxRelay:
         would refuse a whole batch for one large row, its batch-mates with it, while later
         batches of the partition go through, so the batch-mates re-sent alone would land
         after them (per-key order broken). Such a topic's rows go one at a time
-        (:meth:`_produce_alone`). Its limit is asked once (again after 60 s while unknown)."""
+        (:meth:`_produce_alone`). Its limit is asked again after 60 s while unknown, and
+        after ``relay_topic_limit_refresh_s`` when known (an operator may lower it meanwhile:
+        breaker4, tests/e2e/test_break_relay_limit_lowered.py)."""
         got = self._topic_limits.get(topic)
-        if got is None or got[0] is None:
-            now = time.monotonic()
-            if got is None or (now - got[1] > 60 and topic not in self._missing_topics):
-                got = self._topic_limits[topic] = (self._topic_limit(topic), now)
-                if got[0] is not None and got[0] < self.settings.kafka_message_max_bytes:
-                    log.warning(
-                        "topic %s takes messages up to %d bytes (max.message.bytes), less than "
-                        "this relay produces (JOBSTREAM_KAFKA_MESSAGE_MAX_BYTES=%d): its rows "
-                        "go one at a time, each waiting for the broker, to keep per-key order "
-                        "when a large row is refused (much slower). Create the topic with "
-                        "`jobstream topics` or raise its max.message.bytes, or lower the "
-                        "setting to the topic's limit", topic, got[0],
-                        self.settings.kafka_message_max_bytes)
+        now = time.monotonic()
+        every = 60 if got is None or got[0] is None else self.settings.relay_topic_limit_refresh_s
+        if got is None or (now - got[1] > every and topic not in self._missing_topics):
+            old = got[0] if got is not None else None
+            limit = self._topic_limit(topic)
+            if limit is None:  # not told this time: keep what we knew
+                limit = old
+            got = self._topic_limits[topic] = (limit, now)
+            if (limit != old and limit is not None
+                    and limit < self.settings.kafka_message_max_bytes):
+                log.warning(
+                    "topic %s takes messages up to %d bytes (max.message.bytes), less than "
+                    "this relay produces (JOBSTREAM_KAFKA_MESSAGE_MAX_BYTES=%d): its rows "
+                    "go one at a time, each waiting for the broker, to keep per-key order "
+                    "when a large row is refused (much slower). Create the topic with "
+                    "`jobstream topics` or raise its max.message.bytes, or lower the "
+                    "setting to the topic's limit", topic, got[0],
+                    self.settings.kafka_message_max_bytes)
         return got[0] is not None and got[0] < self.settings.kafka_message_max_bytes
 
     def _topic_limit(self, topic: str) -> int | None:

@@ -1,0 +1,87 @@
+"""Breaker (session 6): the sweeper's stall backstop (re-emission of a stage event whose stage
+was never claimed) racing a claim held by a FROZEN worker.
+
+A worker is frozen (SIGSTOP, fault point ``stage_inside_one_transaction@3=stop``) inside the
+local llm stage's one transaction: its claim of the stage is not committed, so to the sweeper
+the stage looks never claimed, while the frozen transaction holds the job's row lock. The stall
+grace is 1 s (the relay sweeps every 0.5 s), so the sweeper tries to re-emit
+``job.chunks_ready`` while the frozen claim holds the lock (it must wait or give up, not
+re-emit past it), again once Postgres ended the frozen session (idle limit = lease), and a live
+worker takes the partitions over and processes the original event, maybe also the re-emitted
+copy. Whatever the interleaving: every chunk answered once, one result applied, one
+``job.ready``, and the frozen worker, resumed, doubles nothing. Real processes, shared
+services.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from jobstream.kafka import group_lag
+from jobstream.producer import produce_raw
+from jobstream.settings import Settings
+from schemas.events import encode_event
+from tests.helpers import ProcessRunner, query, read_topic, stopped, text_uploaded, wait_for
+
+pytestmark = pytest.mark.e2e
+
+TEXT = " ".join(f"Paragraph {i}: the local model answers this chunk while the sweeper looks "
+                f"for stalled jobs every half second." for i in range(14))
+
+
+def _job(settings: Settings) -> dict:
+    rows = query(settings.database_url, "SELECT job_id, status, sweeps FROM job")
+    return rows[0] if rows else {}
+
+
+def test_the_stall_backstop_racing_a_frozen_one_transaction_claim_doubles_nothing(
+        settings: Settings, procs: ProcessRunner) -> None:
+    env = {"JOBSTREAM_LEASE_S": "4", "JOBSTREAM_CHUNK_SIZE_CHARS": "400",
+           "JOBSTREAM_SWEEP_STALL_GRACE_S": "1", "JOBSTREAM_SWEEP_GRACE_S": "1"}
+    relay = procs.start("relay", **env)
+    procs.start("consume-ready", **env)
+    frozen = procs.start("worker", name="worker-frozen", **env,
+                         JOBSTREAM_FAULT="stage_inside_one_transaction@3=stop")
+    produce_raw(settings, settings.topic("document.uploaded"),
+                [(b"stall-frozen", encode_event(text_uploaded("stall-frozen", TEXT)))])
+    try:
+        wait_for(lambda: "SIGSTOP" in frozen.log_text(), 90,
+                 "the worker to freeze inside the local llm transaction", procs.logs)
+        # The sweeper meets the frozen claim's lock, then (after the idle limit) no claim.
+        wait_for(lambda: "sweeper" in relay.log_text(), 30, "the sweeper to act on the job",
+                 procs.logs)
+        procs.start("worker", name="worker-live", **env)
+        wait_for(lambda: _job(settings).get("status") == "succeeded", 120,
+                 "the live worker to finish the job while the other is frozen", procs.logs,
+                 every_s=1.0)
+        assert stopped(frozen.popen.pid), "the frozen worker was resumed early: inconclusive"
+    finally:
+        os.kill(frozen.popen.pid, signal.SIGCONT)
+    topics = [settings.topic(t) for t in ("job.chunks_ready", "job.llm_done", "job.validated")]
+    wait_for(lambda: group_lag(settings, settings.group("jobstream-streams"), topics) == 0, 90,
+             "the stage topics consumed and committed after the resume", procs.logs,
+             every_s=1.0)
+    url = settings.database_url
+    job = _job(settings)
+    sweeper = [ln for ln in relay.log_text().splitlines() if "sweeper" in ln]
+    print(f"sweeps={job['sweeps']}", *sweeper[:6], sep="\n")
+    job_id = job["job_id"]
+    attempts = query(url, "SELECT chunk_idx, outcome, count(*) AS n FROM provider_attempt "
+                          "WHERE job_id = %s GROUP BY chunk_idx, outcome", (job_id,))
+    chunks = query(url, "SELECT idx FROM chunk WHERE job_id = %s ORDER BY idx", (job_id,))
+    assert len(chunks) > 1
+    assert sorted((a["chunk_idx"], a["outcome"], a["n"]) for a in attempts) == [
+        (c["idx"], "succeeded", 1) for c in chunks], attempts
+    for table in ("downstream.document_analysis", "downstream.ledger_charge"):
+        assert query(url, f"SELECT count(*) AS n FROM {table}")[0]["n"] == 1, table
+    ready = [m for m in read_topic(settings, settings.topic("job.ready"))
+             if m.key().decode() == str(job_id)]
+    assert len(ready) == 1, ready
+    for stage in ("validate", "publish"):
+        [row] = query(url, "SELECT attempt FROM job_stage WHERE job_id = %s AND stage = %s",
+                      (job_id, stage))
+        assert row["attempt"] == 1, (stage, row)
+    assert "Traceback" not in relay.log_text(), relay.log_text()[-3000:]

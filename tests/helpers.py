@@ -287,3 +287,24 @@ def stopped(pid: int) -> bool:
     """True while process ``pid`` is stopped (SIGSTOP): state ``T`` in /proc/<pid>/stat."""
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def succeeded_and_applied(url: str, tenant: str) -> tuple[int, int]:
+    """``(jobs of tenant succeeded, of those applied downstream)``: the example
+    downstream's ``document_analysis`` holds a row of the job's dedup key."""
+    row = query(url, """
+        SELECT count(*) FILTER (WHERE j.status = 'succeeded') AS ok,
+               count(*) FILTER (WHERE j.status = 'succeeded' AND EXISTS (
+                   SELECT 1 FROM downstream.document_analysis a
+                    WHERE a.tenant_id = j.tenant_id AND a.dedup_key = j.dedup_key)) AS applied
+          FROM job j WHERE j.tenant_id = %s""", (tenant,))[0]
+    return row["ok"], row["applied"]
+
+
+def paragraphs_document(path: Path, paragraphs: int) -> Path:
+    """Write a text document of ``paragraphs`` paragraphs (~400 characters each: about one
+    chunk each at ``chunk_size_chars`` 400) to ``path``; returns ``path``."""
+    path.write_text("\n\n".join(f"Paragraph {i} talks about harbour lanterns and copper "
+                                 f"kettles for a while, sentence after sentence. " * 4
+                                 for i in range(paragraphs)))
+    return path

@@ -28,22 +28,12 @@ from jobstream.drills import chaos
 from jobstream.drills.fake_provider import FakeProvider
 from jobstream.producer import submit, uploaded_event
 from jobstream.settings import Settings
-from tests.helpers import ProcessRunner, query, wait_for
+from tests.helpers import ProcessRunner, query, succeeded_and_applied, wait_for
 
 pytestmark = pytest.mark.e2e
 
 CYCLES = int(os.environ.get("JOBSTREAM_TEST_STORM_CYCLES", "1"))
 DOCS_PER_CYCLE = 8
-
-
-def _done(url: str, tenant: str) -> tuple[int, int]:
-    row = query(url, """
-        SELECT count(*) FILTER (WHERE j.status = 'succeeded') AS ok,
-               count(*) FILTER (WHERE j.status = 'succeeded' AND EXISTS (
-                   SELECT 1 FROM downstream.document_analysis a
-                    WHERE a.tenant_id = j.tenant_id AND a.dedup_key = j.dedup_key)) AS applied
-          FROM job j WHERE j.tenant_id = %s""", (tenant,))[0]
-    return row["ok"], row["applied"]
 
 
 @pytest.mark.timeout(400)
@@ -95,8 +85,8 @@ def test_a_rebalance_storm_with_frozen_and_killed_workers_never_skips_an_offset(
             def diag() -> str:
                 stuck = verify.run(s, checks=["stuck_jobs", "stranded_stages"], tenant=tenant,
                                    grace_s=10)
-                return f"done={_done(url, tenant)}\n{stuck.text()}\n{runner.logs()}"
-            wait_for(lambda: _done(url, tenant) == (total, total), 180,
+                return f"done={succeeded_and_applied(url, tenant)}\n{stuck.text()}\n{runner.logs()}"
+            wait_for(lambda: succeeded_and_applied(url, tenant) == (total, total), 180,
                      f"all {total} jobs to succeed and be applied (no backstop)", diag,
                      every_s=1)
         finally:

@@ -25,7 +25,7 @@ from jobstream.drills import chaos
 from jobstream.drills.fake_provider import FakeProvider
 from jobstream.producer import submit, uploaded_event
 from jobstream.settings import Settings
-from tests.helpers import ProcessRunner, query, wait_for
+from tests.helpers import ProcessRunner, query, succeeded_and_applied, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -38,16 +38,6 @@ def _running_llm(url: str, tenant: str) -> int:
     return query(url, "SELECT count(*) AS n FROM job_stage s JOIN job j USING (job_id) "
                       "WHERE j.tenant_id = %s AND s.stage = 'llm' AND s.status = 'running'",
                  (tenant,))[0]["n"]
-
-
-def _done(url: str, tenant: str) -> tuple[int, int]:
-    row = query(url, """
-        SELECT count(*) FILTER (WHERE j.status = 'succeeded') AS ok,
-               count(*) FILTER (WHERE j.status = 'succeeded' AND EXISTS (
-                   SELECT 1 FROM downstream.document_analysis a
-                    WHERE a.tenant_id = j.tenant_id AND a.dedup_key = j.dedup_key)) AS applied
-          FROM job j WHERE j.tenant_id = %s""", (tenant,))[0]
-    return row["ok"], row["applied"]
 
 
 @pytest.mark.timeout(600)
@@ -97,9 +87,9 @@ def test_worker_joining_and_killed_mid_call_never_skips_an_offset(settings: Sett
             def diag() -> str:
                 stuck = verify.run(s, checks=["stuck_jobs", "stranded_stages"], tenant=tenant,
                                    grace_s=10)
-                return f"done={_done(url, tenant)}\n{stuck.text()}\n{runner.logs()}"
+                return f"done={succeeded_and_applied(url, tenant)}\n{stuck.text()}\n{runner.logs()}"
             # Without the sweeper, only redelivery can finish a job the dead worker held.
-            wait_for(lambda: _done(url, tenant) == (total, total), 150,
+            wait_for(lambda: succeeded_and_applied(url, tenant) == (total, total), 150,
                      f"all {total} jobs to succeed and be applied", diag, every_s=1)
         finally:
             runner.stop_all()

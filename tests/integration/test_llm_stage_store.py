@@ -18,7 +18,7 @@ from streams import llm
 from streams.context import StageContext
 from streams.intake import handle_intake
 from streams.runner import run_stage
-from tests.helpers import outbox_events, query
+from tests.helpers import outbox_events, paragraphs_document, query
 
 pytestmark = pytest.mark.integration
 
@@ -32,10 +32,7 @@ def _next_event(settings: Settings, event_type: str):
 @pytest.fixture
 def chunked_job(settings: Settings, tmp_path: Path):
     """A job of three chunks, extracted and chunked, whose LLM stage is not claimed yet."""
-    doc = tmp_path / "doc.txt"
-    doc.write_text("\n\n".join(f"Paragraph {i} talks about harbour lanterns and copper "
-                               f"kettles for a while, sentence after sentence. " * 4
-                               for i in range(3)))
+    doc = paragraphs_document(tmp_path / "doc.txt", 3)
     with FakeProvider() as fake:
         s = settings.model_copy(update={"chunk_size_chars": 400, "model_profile": "custom",
                                         "provider_base_url": fake.base_url})

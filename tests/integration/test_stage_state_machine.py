@@ -24,7 +24,7 @@ from streams.actions import give_up, redrive, sweep
 from streams.context import StageContext, outbox_msg
 from streams.intake import handle_intake
 from streams.runner import run_stage
-from tests.helpers import outbox_events, query, wait_for
+from tests.helpers import outbox_events, paragraphs_document, query, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -35,10 +35,7 @@ GROUP = "g-llm"
 def job(settings: Settings, tmp_path: Path):
     """A job of three chunks, extracted and chunked; its LLM stage not claimed yet. Yields
     ``(ctx, fake provider, job.chunks_ready event)``."""
-    doc = tmp_path / "doc.txt"
-    doc.write_text("\n\n".join(f"Paragraph {i} talks about harbour lanterns and copper "
-                               f"kettles for a while, sentence after sentence. " * 4
-                               for i in range(3)))
+    doc = paragraphs_document(tmp_path / "doc.txt", 3)
     with FakeProvider() as fake:
         s = settings.model_copy(update={"chunk_size_chars": 400, "model_profile": "custom",
                                         "provider_base_url": fake.base_url,

@@ -23,7 +23,7 @@ from streams.actions import sweep
 from streams.context import StageContext
 from streams.intake import handle_intake
 from streams.runner import run_stage
-from tests.helpers import outbox_events, query
+from tests.helpers import outbox_events, paragraphs_document, query
 
 pytestmark = pytest.mark.integration
 
@@ -45,10 +45,7 @@ def _age(url: str, seconds: float) -> None:
 def chunked(settings: Settings, tmp_path: Path) -> Iterator[tuple[StageContext, Any]]:
     """A job extracted and chunked; its job.chunks_ready still in the outbox, the llm stage
     not claimed. Yields ``(ctx, job.chunks_ready event)``; ``sweep_stall_grace_s`` is 0."""
-    doc = tmp_path / "doc.txt"
-    doc.write_text("\n\n".join(f"Paragraph {i} talks about harbour lanterns and copper "
-                               f"kettles for a while, sentence after sentence. " * 4
-                               for i in range(2)))
+    doc = paragraphs_document(tmp_path / "doc.txt", 2)
     with FakeProvider() as fake:
         s = settings.model_copy(update={"chunk_size_chars": 400, "model_profile": "custom",
                                         "provider_base_url": fake.base_url,

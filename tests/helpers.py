@@ -308,3 +308,23 @@ def paragraphs_document(path: Path, paragraphs: int) -> Path:
                                  f"kettles for a while, sentence after sentence. " * 4
                                  for i in range(paragraphs)))
     return path
+
+
+def freeze_in_local_llm(settings: Settings, procs: ProcessRunner, key: str, text: str,
+                        env: dict[str, str]) -> tuple[Proc, Proc]:
+    """Start a relay and the ready applier, and a worker that SIGSTOPs itself inside the
+    local llm stage's one transaction (its third one-transaction stage run: extract, chunk,
+    llm); submit one document ``key`` with ``text`` and wait (90 s) until that worker is
+    frozen holding the job's row lock. ``env``: settings for all three. Returns
+    ``(relay, frozen worker)``; the caller SIGCONTs the worker."""
+    from jobstream.producer import produce_raw
+    from schemas.events import encode_event
+    relay = procs.start("relay", **env)
+    procs.start("consume-ready", **env)
+    frozen = procs.start("worker", name="worker-frozen", **env,
+                         JOBSTREAM_FAULT="stage_inside_one_transaction@3=stop")
+    produce_raw(settings, settings.topic("document.uploaded"),
+                [(key.encode(), encode_event(text_uploaded(key, text)))])
+    wait_for(lambda: "SIGSTOP" in frozen.log_text(), 90,
+             "the worker to freeze inside the local llm transaction", procs.logs)
+    return relay, frozen

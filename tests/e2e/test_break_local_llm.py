@@ -21,11 +21,15 @@ import signal
 import pytest
 
 from jobstream.kafka import group_lag
-from jobstream.producer import produce_raw
 from jobstream.settings import Settings
-from schemas.events import encode_event
-from tests.helpers import ProcessRunner, query, read_topic, stopped, wait_for
-from tests.helpers import text_uploaded as _uploaded
+from tests.helpers import (
+    ProcessRunner,
+    freeze_in_local_llm,
+    query,
+    read_topic,
+    stopped,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -42,17 +46,9 @@ def _job(settings: Settings) -> dict:
 def test_a_worker_frozen_inside_the_local_llm_transaction_past_its_lease_answers_once(
         settings: Settings, procs: ProcessRunner) -> None:
     env = {"JOBSTREAM_LEASE_S": "4", "JOBSTREAM_CHUNK_SIZE_CHARS": "400"}
-    procs.start("relay", **env)
-    procs.start("consume-ready", **env)
     # One document: the one-transaction stages run extract (1), chunk (2), llm (3).
-    frozen = procs.start("worker", name="worker-frozen", **env,
-                         JOBSTREAM_FAULT="stage_inside_one_transaction@3=stop")
-    ev = _uploaded("frozen-llm", TEXT)
-    produce_raw(settings, settings.topic("document.uploaded"),
-                [(b"frozen-llm", encode_event(ev))])
+    _, frozen = freeze_in_local_llm(settings, procs, "frozen-llm", TEXT, env)
     try:
-        wait_for(lambda: "SIGSTOP" in frozen.log_text(), 90,
-                 "the worker to freeze inside the local llm transaction", procs.logs)
         job_id = _job(settings)["job_id"]
         stages = {r["stage"]: r["status"] for r in query(
             settings.database_url, "SELECT stage, status FROM job_stage WHERE job_id = %s",

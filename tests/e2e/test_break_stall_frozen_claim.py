@@ -21,10 +21,15 @@ import signal
 import pytest
 
 from jobstream.kafka import group_lag
-from jobstream.producer import produce_raw
 from jobstream.settings import Settings
-from schemas.events import encode_event
-from tests.helpers import ProcessRunner, query, read_topic, stopped, text_uploaded, wait_for
+from tests.helpers import (
+    ProcessRunner,
+    freeze_in_local_llm,
+    query,
+    read_topic,
+    stopped,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -41,15 +46,8 @@ def test_the_stall_backstop_racing_a_frozen_one_transaction_claim_doubles_nothin
         settings: Settings, procs: ProcessRunner) -> None:
     env = {"JOBSTREAM_LEASE_S": "4", "JOBSTREAM_CHUNK_SIZE_CHARS": "400",
            "JOBSTREAM_SWEEP_STALL_GRACE_S": "1", "JOBSTREAM_SWEEP_GRACE_S": "1"}
-    relay = procs.start("relay", **env)
-    procs.start("consume-ready", **env)
-    frozen = procs.start("worker", name="worker-frozen", **env,
-                         JOBSTREAM_FAULT="stage_inside_one_transaction@3=stop")
-    produce_raw(settings, settings.topic("document.uploaded"),
-                [(b"stall-frozen", encode_event(text_uploaded("stall-frozen", TEXT)))])
+    relay, frozen = freeze_in_local_llm(settings, procs, "stall-frozen", TEXT, env)
     try:
-        wait_for(lambda: "SIGSTOP" in frozen.log_text(), 90,
-                 "the worker to freeze inside the local llm transaction", procs.logs)
         # The sweeper meets the frozen claim's lock, then (after the idle limit) no claim.
         wait_for(lambda: "sweeper" in relay.log_text(), 30, "the sweeper to act on the job",
                  procs.logs)

@@ -593,8 +593,9 @@ class OutboxRelay:
               ) -> tuple[dict[int, KafkaError | None], dict[int, str]]:
         """Produce ``rows`` and wait for their delivery reports (at most 60 s), outside the
         pipeline (a refused row re-sent alone). Returns the reports by row index (``None``:
-        acknowledged; absent: no report in time) and the rows the client refused at once
-        (too large for ``message.max.bytes``, unserialisable), with the reason."""
+        acknowledged; absent: no report in time; a missing topic the client knows of at
+        ``produce()`` is reported as its error) and the rows the client refused at once (too
+        large for ``message.max.bytes``, unserialisable), with the reason."""
         reports: dict[int, KafkaError | None] = {}
         refused: dict[int, str] = {}
 
@@ -610,7 +611,13 @@ class OutboxRelay:
                 self._producer.produce(topic, value=payload, key=key, headers=headers,
                                        on_delivery=report_to(i))
             except (KafkaException, ValueError, TypeError, BufferError) as exc:
-                refused[i] = _describe_exc(exc)
+                err = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
+                if isinstance(err, KafkaError) and err.code() in MISSING_TOPIC_ERRORS:
+                    # The client knows the topic is missing: a retriable report, as in
+                    # _produce (the missing-topic grace decides), not a refusal.
+                    reports[i] = err
+                else:
+                    refused[i] = _describe_exc(exc)
         self._producer.flush(60)
         return reports, refused
 

@@ -24,7 +24,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from psycopg.types.json import Jsonb
 
 from jobstream.db import QUERIES as Q
-from jobstream.kafka import base_config
+from jobstream.kafka import base_config, topic_max_message_bytes
 from jobstream.settings import Settings
 from tests.helpers import ProcessRunner, query, read_topic, wait_for
 
@@ -64,19 +64,27 @@ def test_a_row_for_a_topic_created_late_waits_within_the_grace_and_is_delivered_
     assert not query(url, "SELECT 1 FROM dead_letter") and relay.popen.poll() is None
 
 
+@pytest.mark.parametrize("limit", ["producer", "narrow"])
 def test_rows_for_a_deleted_or_never_created_topic_are_parked_and_the_rest_flows(
-        settings: Settings, procs: ProcessRunner) -> None:
+        settings: Settings, procs: ProcessRunner, limit: str) -> None:
+    """``narrow``: the deleted topic takes smaller messages than the producer sends (the
+    relay sends its rows one at a time): its missing-topic error must go through the same
+    grace, not be parked at once as a refusal."""
     url, good = settings.database_url, settings.topic("job.failed")
     deleted, never = settings.topic("break.deleted"), settings.topic("break.never")
     admin = AdminClient(base_config(settings))
-    admin.create_topics([NewTopic(deleted, num_partitions=1, replication_factor=1)])[deleted] \
-        .result(30)
+    config = {"max.message.bytes": str(topic_max_message_bytes(settings, deleted)
+                                       if limit == "producer" else 100_000)}
+    admin.create_topics([NewTopic(deleted, num_partitions=1, replication_factor=1,
+                                  config=config)])[deleted].result(30)
     relay = procs.start("relay", JOBSTREAM_RELAY_MISSING_TOPIC_PARK_S="1",
                         JOBSTREAM_KAFKA_EXTRA='{"message.timeout.ms": 3000, '
                                               '"topic.metadata.propagation.max.ms": 1000}')
-    _insert(url, [(deleted, "d-0")])  # the relay learns the topic's metadata
+    _insert(url, [(deleted, "d-0")])  # the relay learns the topic's metadata (and limit)
     wait_for(lambda: _unpublished(url) == 0, 60, "the row to the live topic published",
              procs.logs)
+    assert (f"topic {deleted} takes messages up to" in relay.log_text()) == (
+        limit == "narrow"), relay.log_text()[-3000:]
     admin.delete_topics([deleted])[deleted].result(30)
     wait_for(lambda: deleted not in admin.list_topics(timeout=10).topics, 30,
              "the topic deleted", procs.logs)

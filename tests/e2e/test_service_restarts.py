@@ -226,13 +226,15 @@ def test_postgres_outage_while_a_stage_commits_releases_the_claim_not_waits_for_
                                     "AND status = 'running'"), 60,
                  "the LLM stage to be claimed", private_procs.logs, every_s=0.05)
         # Hold back every outbox insert: the stage's completing transaction (checkpoint + next
-        # event + processed row) blocks on it, open, until Postgres goes away under it.
+        # event + processed row) blocks on it, open, until Postgres goes away under it. Its
+        # statement (complete_stage_emit) starts with WITH; "outbox (" leaves out the relay's
+        # deletes, which write outbox_published and wait on the same lock.
         blocker = psycopg.connect(url)
         blocker.execute("LOCK TABLE outbox IN SHARE MODE")
         try:
             wait_for(lambda: query(url, "SELECT 1 FROM pg_stat_activity WHERE datname = "
                                         "current_database() AND wait_event_type = 'Lock' AND "
-                                        "query LIKE 'INSERT INTO outbox%%'"), 60,
+                                        "query LIKE '%%INSERT INTO outbox (%%'"), 60,
                      "the LLM stage's completion to wait on the outbox", private_procs.logs)
             # Immediate (a crash): with a fast shutdown the blocker's backend may exit first
             # and the stage's transaction slip through to its commit.

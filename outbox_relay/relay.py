@@ -398,7 +398,15 @@ class OutboxRelay:
         after them (per-key order broken). Such a topic's rows go one at a time
         (:meth:`_produce_alone`). Its limit is asked again after 60 s while unknown, and
         after ``relay_topic_limit_refresh_s`` when known (an operator may lower it meanwhile:
-        breaker4, tests/e2e/test_break_relay_limit_lowered.py)."""
+        breaker4, tests/e2e/test_break_relay_limit_lowered.py), and at once after the broker
+        refused a message as too large (:meth:`_on_delivery`). A topic the broker said was
+        missing counts as narrow until a row of it is acknowledged."""
+        if topic in self._missing_topics:
+            # Gone, or back and not yet delivered to: it may come back as a new topic with
+            # another limit (breaker5, tests/e2e/test_break_narrow_missing.py), so its old
+            # limit was dropped (_missing_past_grace) and nothing is batched until a row
+            # is acknowledged (_forget_missing).
+            return True
         got = self._topic_limits.get(topic)
         now = time.monotonic()
         every = 60 if got is None or got[0] is None else self.settings.relay_topic_limit_refresh_s
@@ -452,6 +460,7 @@ class OutboxRelay:
             elif report is None:
                 self._acked.append(row)
                 self._acked_at = time.time()
+                self._forget_missing(row[1])
             elif isinstance(report, KafkaError) and _permanent(report):
                 self._refused.append((row, _describe_err(report)))
             else:
@@ -466,8 +475,17 @@ class OutboxRelay:
         if err is None:
             self._acked.append(row)
             self._acked_at = time.time()
+            if self._missing_topics:
+                self._forget_missing(row[1])
         else:
+            if err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
+                self._topic_limits.pop(row[1], None)  # lowered? ask again (_narrow)
             self._failed.append((row, err))
+
+    def _forget_missing(self, topic: str) -> None:
+        """``topic`` took a row: it exists (again). Its limit was dropped when it went
+        missing, so the next :meth:`_narrow` asks the broker."""
+        self._missing_topics.pop(topic, None)
 
     def _take_acked(self) -> list[int]:
         """The ids of the rows acknowledged so far, to be deleted by the caller's statement
@@ -573,6 +591,9 @@ class OutboxRelay:
             return retriable
         missing = self._topics_missing(looked)
         for topic in looked:
+            # A topic gone or found again may be a new topic with another max.message.bytes:
+            # its cached limit no longer holds (_narrow asks again).
+            self._topic_limits.pop(topic, None)
             if topic in missing:
                 self._missing_topics.setdefault(topic, now)
             else:

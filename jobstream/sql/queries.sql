@@ -386,12 +386,15 @@ SELECT s.job_id, s.stage, s.run_token, s.attempt, s.lease_until FROM job_stage s
 -- its retry is due at the latest (n.lease_until, set by release_stage: retry_cap_s or the
 -- provider's Retry-After, which may be longer than the grace), so an event waiting out its
 -- backoff is not re-emitted past it (breaker4: tests/e2e/test_break_stall_reemit.py).
+-- A job whose cancel was requested is re-emitted too: a cancel under a live lease leaves the
+-- job to the next stage's claim, which ends it 'cancelled'; if that event was lost, nothing
+-- else would (breaker6: tests/e2e/test_break_stall_cancel.py).
 SELECT j.job_id, p.next AS stage, p.stage AS checkpoint, s.emitted
   FROM job j
   JOIN job_stage s ON s.job_id = j.job_id AND s.status = 'succeeded'
   JOIN unnest(%(stages)s::text[], %(nexts)s::text[]) AS p (stage, next) ON p.stage = s.stage
   LEFT JOIN job_stage n ON n.job_id = j.job_id AND n.stage = p.next
- WHERE j.status IN ('queued', 'running') AND NOT j.cancel_requested
+ WHERE j.status IN ('queued', 'running')
    AND (%(job_id)s::uuid IS NULL OR j.job_id = %(job_id)s::uuid)
    AND (n.job_id IS NULL OR n.status = 'pending')
    AND greatest(s.updated_at, j.updated_at, j.swept_at, n.updated_at, n.lease_until)

@@ -83,6 +83,7 @@ PERMANENT_ERRORS = frozenset({
 #: says the topic is gone for ``relay_missing_topic_park_s``: then the row is parked.
 MISSING_TOPIC_ERRORS = frozenset({
     KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC, KafkaError._MSG_TIMED_OUT,
+    KafkaError._UNKNOWN_PARTITION,
 })
 
 
@@ -223,6 +224,11 @@ class OutboxRelay:
         #: see _narrow.
         self._topic_limits: dict[str, tuple[int | None, float]] = {}
         self._admin: Any = None  # AdminClient, made on first use (_topic_limit)
+        #: Rows of a missing topic (within the grace) held aside in id order, so its retries
+        #: do not hold up the other topics (breaker6, test_break_relay_missing_liveness.py),
+        #: and topic -> (monotonic s its rows are due again, its backoff in s); see _hold.
+        self._held: dict[str, list[tuple[Any, ...]]] = {}
+        self._held_due: dict[str, tuple[float, float]] = {}
 
     def stop(self, *_: Any) -> None:
         """Ask the relay loop to finish its current batch and return."""
@@ -275,6 +281,8 @@ class OutboxRelay:
             self._marker.check()
         if self._failed or self._refused:
             self.settle(conn, wait=True)  # raises DeliveryFailed for retriable failures
+        if self._held and self._release_held():
+            return 0  # its failures are settled (held again) before a fetch could re-read them
         if not fetch:
             # Caught up: the acknowledged rows are deleted by the next fetch's statement
             # (one transaction per wake-up), unless a batch of them is waiting.
@@ -318,7 +326,8 @@ class OutboxRelay:
             # and the last id (those in flight, being deleted or deleted by this statement
             # skipped), then new rows after the last id. One round trip, one transaction.
             ids = self._take_acked()
-            skip = list(pending.keys() | marking | set(ids))
+            skip = list(pending.keys() | marking | set(ids)
+                        | {r[0] for rows in self._held.values() for r in rows})
             self.stats.transactions += 1
             with conn.cursor(row_factory=tuple_row, binary=True) as cur:
                 rows = cur.execute(Q["outbox_delete_and_fetch"],
@@ -351,8 +360,12 @@ class OutboxRelay:
         missing, now = self._missing_topics, time.monotonic()
         grace = self.settings.relay_missing_topic_park_s
         narrow: list[tuple[Any, ...]] = []
+        held = self._held
         for row in rows:
             _id, topic, key, payload, headers, _type = row
+            if held and topic in held:  # behind its topic's held rows (_hold)
+                held[topic].append(row)
+                continue
             if missing and now - missing.get(topic, now + 1) >= grace:
                 # Its topic is gone past the grace: not queued in the client (where it would
                 # wait message.timeout.ms and hold every flush up); settle() re-checks the
@@ -486,6 +499,51 @@ class OutboxRelay:
         """``topic`` took a row: it exists (again). Its limit was dropped when it went
         missing, so the next :meth:`_narrow` asks the broker."""
         self._missing_topics.pop(topic, None)
+        self._held_due.pop(topic, None)
+
+    def _hold(self, retriable: list[tuple[tuple[Any, ...], KafkaError | None]]
+              ) -> list[tuple[tuple[Any, ...], KafkaError | None]]:
+        """Of the rows that failed retriably (within the missing-topic grace): hold aside those
+        of a topic the broker says is missing, in id order with that topic's later rows
+        (:meth:`_produce`), due again after the topic's own backoff (0.5 s doubling to
+        ``relay_backoff_cap_s``); return the others (they fail the round: DeliveryFailed and
+        the relay's backoff). Held rows are skipped by the fetch, which keeps its floor below
+        them, and forgotten with the pipeline (fetched again). Before, the round failed for
+        every topic: the relay slept up to relay_backoff_cap_s per round with healthy topics'
+        rows waiting, for as long as the grace."""
+        missing = self._missing_topics
+        if not missing:
+            return retriable
+        keep: list[tuple[tuple[Any, ...], KafkaError | None]] = []
+        now, cap = time.monotonic(), self.settings.relay_backoff_cap_s
+        for row, err in retriable:
+            topic = row[1]
+            if topic not in missing:
+                self._held_due.pop(topic, None)  # found again: its backoff starts afresh
+                keep.append((row, err))
+                continue
+            if topic not in self._held:
+                _due, wait = self._held_due.get(topic, (0.0, 0.25))
+                wait = min(wait * 2, cap)
+                self._held_due[topic] = (now + wait, wait)
+                log.warning("rows of topic %s held back while it is missing (the other "
+                            "topics go on): re-sending the undelivered rows in %.1fs: %s",
+                            topic, wait, _describe_err(err))
+            self._held.setdefault(topic, []).append(row)
+        for topic, rows in self._held.items():  # in id order, each row once
+            self._held[topic] = sorted({r[0]: r for r in rows}.values(), key=lambda r: r[0])
+        return keep
+
+    def _release_held(self) -> bool:
+        """Produce again, in id order, the held rows of every topic whose backoff ran out
+        (:meth:`_hold`): delivered if the topic is back, held again (longer) if not, parked
+        past the grace. True when some were produced: the caller settles their failures
+        before it fetches (a failed row is not in flight, the fetch would read it again)."""
+        now = time.monotonic()
+        due = [t for t in self._held if self._held_due.get(t, (0.0, 0.0))[0] <= now]
+        for topic in due:
+            self._produce(self._held.pop(topic))
+        return bool(due)
 
     def _take_acked(self) -> list[int]:
         """The ids of the rows acknowledged so far, to be deleted by the caller's statement
@@ -541,7 +599,7 @@ class OutboxRelay:
         retriable += [(row, err) for row, err in self._failed if not _permanent(err)]
         lone = [row for row, err in self._failed if _permanent(err)]
         refused, self._refused, self._failed = self._refused, [], []
-        retriable = self._missing_past_grace(retriable, refused)
+        retriable = self._hold(self._missing_past_grace(retriable, refused))
         for row in lone:  # isolate: one row alone in its produce request
             alone, refusal = self._send([row])
             if 0 in refusal:
@@ -824,6 +882,7 @@ class OutboxRelay:
         """Forget the rows in flight (a new session: they are fetched again)."""
         self._pending.clear()
         self._acked, self._failed, self._refused = [], [], []
+        self._held.clear()
         self._hwm = 0
         self._forget_floor()
 
@@ -832,6 +891,7 @@ class OutboxRelay:
         self._producer.flush(10)
         self._pending.clear()
         self._failed, self._refused = [], []
+        self._held.clear()
         self._forget_floor()
 
     def _wind_down(self, conn: Conn) -> None:

@@ -215,6 +215,43 @@ def statements_available(url: str) -> bool:
     return True
 
 
+def table_counters(url: str) -> dict[str, Any]:
+    """Cumulative counters of the run's database (a :func:`table_counters_per_job` reading
+    subtracts two): the server's WAL position (bytes; server-wide), per table the rows
+    inserted / updated / HOT-updated / deleted, per index its scans."""
+    with connect(url, autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        lsn = conn.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn AS b").fetchone()
+        tables = conn.execute(
+            "SELECT schemaname || '.' || relname AS t, n_tup_ins, n_tup_upd, n_tup_hot_upd, "
+            "n_tup_del FROM pg_stat_user_tables").fetchall()
+        indexes = conn.execute(
+            "SELECT schemaname || '.' || indexrelname AS i, idx_scan "
+            "FROM pg_stat_user_indexes").fetchall()
+    assert lsn is not None
+    return {"wal": int(lsn["b"]),
+            "tables": {r["t"]: (r["n_tup_ins"], r["n_tup_upd"], r["n_tup_hot_upd"],
+                                r["n_tup_del"]) for r in tables},
+            "indexes": {r["i"]: r["idx_scan"] for r in indexes}}
+
+
+def table_counters_per_job(a: dict[str, Any], b: dict[str, Any], jobs: int) -> dict[str, Any]:
+    """Per job of the burst between two :func:`table_counters` readings: WAL bytes
+    (server-wide: other databases' writes count too), per table rows inserted / updated /
+    of those HOT (no index entry written) / deleted, and the indexes no statement scanned."""
+    tables = {}
+    for t, (ins, upd, hot, dele) in b["tables"].items():
+        i0, u0, h0, d0 = a["tables"].get(t, (0, 0, 0, 0))
+        if (ins - i0) or (upd - u0) or (dele - d0):
+            tables[t] = {"ins": round((ins - i0) / jobs, 2), "upd": round((upd - u0) / jobs, 2),
+                         "hot_upd": round((hot - h0) / jobs, 2),
+                         "del": round((dele - d0) / jobs, 2)}
+    return {"wal_bytes_per_job": round((b["wal"] - a["wal"]) / jobs),
+            "rows_per_job": tables,
+            "indexes_scanned_per_job": {i: round((n - a["indexes"].get(i, 0)) / jobs, 2)
+                                        for i, n in sorted(b["indexes"].items())}}
+
+
 def statements_per_job(url: str, jobs: int, top: int = 60) -> dict[str, Any]:
     """The run database's statements since the reset: the totals per job and the ``top``
     most called statements: calls, rows and execution milliseconds per job (``jobs`` = the
@@ -226,7 +263,9 @@ def statements_per_job(url: str, jobs: int, top: int = 60) -> dict[str, Any]:
             "JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = current_database()"
         ).fetchone()
         rows = conn.execute(
-            "SELECT calls, rows, total_exec_time AS ms, query FROM pg_stat_statements s "
+            "SELECT calls, rows, total_exec_time AS ms, total_plan_time AS plan_ms, plans, "
+            "wal_bytes, shared_blks_hit + shared_blks_read AS blks, query "
+            "FROM pg_stat_statements s "
             "JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = current_database() "
             "ORDER BY calls DESC LIMIT %s", (top,)).fetchall()
     assert total is not None
@@ -235,6 +274,11 @@ def statements_per_job(url: str, jobs: int, top: int = 60) -> dict[str, Any]:
             "statements": [{"calls_per_job": round(r["calls"] / jobs, 2),
                             "rows_per_job": round(r["rows"] / jobs, 2),
                             "exec_ms_per_job": round(float(r["ms"]) / jobs, 3),
+                            "plan_ms_per_job": round(float(r["plan_ms"]) / jobs, 3),
+                            "plans_per_job": round(r["plans"] / jobs, 2),
+                            "wal_bytes_per_call": round(float(r["wal_bytes"])
+                                                        / max(1, r["calls"])),
+                            "blocks_per_call": round(float(r["blks"]) / max(1, r["calls"]), 1),
                             "query": " ".join(str(r["query"]).split())[:160]} for r in rows]}
 
 
@@ -407,12 +451,14 @@ def run_workers(args: Any, workers: int, relays: int = 1) -> dict[str, Any]:
             cpu0 = {k: cpu_seconds(p.pid) for k, p in procs.items()}
             shared0 = shared_cpu_seconds()
             x0 = xact_commits(s.database_url)
+            tc0 = table_counters(s.database_url)
             log(f"{workers} worker(s): submitting {args.jobs} documents")
             t0 = time.time()
             submit(s, docs, producer=None if args.cold_producer else producer)
             submit_s = time.time() - t0
             wait_applied(s.database_url, tenant, args.jobs, args.timeout)
             x1 = xact_commits(s.database_url)
+            tc1 = table_counters(s.database_url)
             cpu1 = {k: cpu_seconds(p.pid) for k, p in procs.items()}
             shared1 = shared_cpu_seconds()
             pg_pids = bench_db_backends(s.database_url)
@@ -481,6 +527,7 @@ def run_workers(args: Any, workers: int, relays: int = 1) -> dict[str, Any]:
                                        "the run's database (not the WAL writer, checkpointer)"},
         },
         "statements_per_job": statements,
+        "postgres_per_job": table_counters_per_job(tc0, tc1, n),
         "profiles": profiles or None,
         "logs": str(logdir),
     }

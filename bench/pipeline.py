@@ -29,6 +29,8 @@ Reported:
   ``postgres_bench_db`` counts only the backends connected to the run's database;
 * ``statements_per_job`` (when the server preloads ``pg_stat_statements``): per statement of
   the run's database, calls, rows and execution milliseconds per job of the burst;
+* ``postgres_per_job``: WAL bytes per job (server-wide), per table rows inserted / updated /
+  HOT-updated / deleted per job and per index its scans per job (:func:`table_counters`);
 * with ``--profile DIR``: ``py-spy`` samples of ``worker0`` and the relay during the burst,
   written to ``DIR`` (collapsed stacks) with a summary of the hottest functions in the JSON;
 * ``targets_met``: the targets of issue 12 for this run (jobs/s with 2 workers, whole-machine
@@ -191,6 +193,36 @@ def shared_cpu_delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
         out[key] += t - (before[1] if before and before[0] == key else 0.0)
     out["machine_busy"] = b["machine_busy"] - a["machine_busy"]
     return out
+
+
+def kafka_requests(pids: dict[str, int], bootstrap: str) -> dict[str, tuple[int, int]]:
+    """Per process name, the TCP data segments and bytes it has sent to the broker(s) of
+    ``bootstrap`` so far over its open sockets (``ss -tinp``; ~one segment per Kafka request:
+    produce, fetch, offset commit, heartbeat, metadata). Sockets closed meanwhile are not
+    counted (a lower bound); {} without ``ss``."""
+    ports = {h.rsplit(":", 1)[1] for h in bootstrap.split(",") if ":" in h}
+    try:
+        out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True,
+                             timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    by_pid = {pid: name for name, pid in pids.items()}
+    totals: dict[str, tuple[int, int]] = {name: (0, 0) for name in pids}
+    lines = out.splitlines()
+    for head, info in zip(lines, lines[1:], strict=False):
+        cols = head.split()
+        if head[:1].isspace() or len(cols) < 5 or cols[4].rsplit(":", 1)[-1] not in ports:
+            continue
+        m = re.search(r"pid=(\d+)", head)
+        name = by_pid.get(int(m.group(1))) if m else None
+        if name is None:
+            continue
+        segs = re.search(r"data_segs_out:(\d+)", info)
+        sent = re.search(r"bytes_sent:(\d+)", info)
+        n, b = totals[name]
+        totals[name] = (n + int(segs.group(1)) if segs else n,
+                        b + int(sent.group(1)) if sent else b)
+    return totals
 
 
 def bench_db_backends(url: str) -> list[int]:
@@ -452,6 +484,8 @@ def run_workers(args: Any, workers: int, relays: int = 1) -> dict[str, Any]:
             shared0 = shared_cpu_seconds()
             x0 = xact_commits(s.database_url)
             tc0 = table_counters(s.database_url)
+            kr0 = kafka_requests({k: p.pid for k, p in procs.items()},
+                                 s.kafka_bootstrap_servers)
             log(f"{workers} worker(s): submitting {args.jobs} documents")
             t0 = time.time()
             submit(s, docs, producer=None if args.cold_producer else producer)
@@ -459,6 +493,8 @@ def run_workers(args: Any, workers: int, relays: int = 1) -> dict[str, Any]:
             wait_applied(s.database_url, tenant, args.jobs, args.timeout)
             x1 = xact_commits(s.database_url)
             tc1 = table_counters(s.database_url)
+            kr1 = kafka_requests({k: p.pid for k, p in procs.items()},
+                                 s.kafka_bootstrap_servers)
             cpu1 = {k: cpu_seconds(p.pid) for k, p in procs.items()}
             shared1 = shared_cpu_seconds()
             pg_pids = bench_db_backends(s.database_url)
@@ -528,6 +564,10 @@ def run_workers(args: Any, workers: int, relays: int = 1) -> dict[str, Any]:
         },
         "statements_per_job": statements,
         "postgres_per_job": table_counters_per_job(tc0, tc1, n),
+        "kafka_requests_per_job": {
+            k: {"segments": round((kr1[k][0] - kr0.get(k, (0, 0))[0]) / n, 2),
+                "kb_sent": round((kr1[k][1] - kr0.get(k, (0, 0))[1]) / n / 1000, 2)}
+            for k in kr1},
         "profiles": profiles or None,
         "logs": str(logdir),
     }

@@ -1,0 +1,73 @@
+"""Breaker6: the consumer library's apply lanes (``apply_lanes`` 2: one fetched batch split by
+partition, the parts applied at the same time on two connections) with the SAME dedup keys in
+both lanes at once, in opposite orders, from outside: one real ``consume-ready`` process, the
+broker and Postgres.
+
+``job.ready`` events are produced to partition 0 and copies of them (the same message, and the
+same dedup key under a new event id) to partition 1 in the reverse order, all before the
+consumer starts, so its first batches hold both partitions and lane 0 (partition 0) and lane 1
+(partition 1) insert the same ``processed_event`` keys at the same moment: one lane waits for
+the other's uncommitted rows. In the opposite order, row by row, that is a deadlock between the
+two lanes of one process (Postgres aborts one: it must be retried, not dead-lettered nor
+crash the consumer). Each dedup key must be applied exactly once (one analysis, one charge),
+nothing dead-lettered, every offset committed, the consumer alive.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from confluent_kafka import Producer
+
+from jobstream.kafka import group_lag, producer_config
+from jobstream.settings import Settings
+from schemas.events import encode_event
+from tests.helpers import ProcessRunner, job_ready, query, read_topic, wait_for
+
+pytestmark = pytest.mark.e2e
+
+N = 400
+
+
+def _produce(settings: Settings, topic: str, parts: list[tuple[int, bytes, bytes]]) -> None:
+    """``(partition, key, value)`` in order, each acknowledged."""
+    producer = Producer(producer_config(settings))
+    errors: list[object] = []
+    for partition, key, value in parts:
+        producer.produce(topic, value=value, key=key, partition=partition,
+                         on_delivery=lambda err, _m: errors.append(err) if err else None)
+        producer.poll(0)
+    assert producer.flush(60) == 0 and not errors, errors
+
+
+def test_the_same_dedup_keys_in_both_apply_lanes_at_once_apply_once(
+        settings: Settings, procs: ProcessRunner) -> None:
+    topic = settings.topic("job.ready")
+    events = [job_ready(f"lane{i}", charge_usd=0.5) for i in range(N)]
+    again = [e.model_copy(update={"event_id": uuid.uuid4()}) for e in events[::3]]
+    first = [(0, str(e.job_id).encode(), encode_event(e)) for e in events]
+    copies = [(1, str(e.job_id).encode(), encode_event(e))
+              for e in reversed(events + again)]
+    _produce(settings, topic, first + copies)
+    consumer = procs.start("consume-ready", JOBSTREAM_CONSUMER_APPLY_LANES="2")
+    group = settings.group("downstream-ready-applier")
+
+    def applied() -> dict[str, tuple[int, int]]:
+        rows = query(settings.database_url,
+                     "SELECT a.dedup_key, count(*) AS n, (SELECT count(*) FROM "
+                     "downstream.ledger_charge c WHERE c.dedup_key = a.dedup_key) AS charges "
+                     "FROM downstream.document_analysis a GROUP BY a.dedup_key")
+        return {r["dedup_key"]: (int(r["n"]), int(r["charges"])) for r in rows}
+
+    wait_for(lambda: len(applied()) == N and group_lag(settings, group, [topic]) == 0, 120,
+             "every event applied and every offset committed", procs.logs, every_s=0.5)
+    got = applied()
+    assert set(got.values()) == {(1, 1)}, {k: v for k, v in got.items() if v != (1, 1)}
+    assert sorted(got) == sorted(e.dedup_key for e in events)
+    assert query(settings.database_url,
+                 "SELECT count(*) AS n FROM processed_event")[0]["n"] == N
+    assert read_topic(settings, topic + ".dlq") == []
+    assert not query(settings.database_url, "SELECT 1 FROM dead_letter")
+    assert consumer.popen.poll() is None and "Traceback" not in consumer.log_text(), \
+        procs.logs()

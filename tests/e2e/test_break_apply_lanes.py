@@ -71,3 +71,44 @@ def test_the_same_dedup_keys_in_both_apply_lanes_at_once_apply_once(
     assert not query(settings.database_url, "SELECT 1 FROM dead_letter")
     assert consumer.popen.poll() is None and "Traceback" not in consumer.log_text(), \
         procs.logs()
+
+
+def test_a_consumer_killed_again_and_again_mid_lanes_applies_each_event_once(
+        settings: Settings, procs: ProcessRunner) -> None:
+    """kill -9 from outside at arbitrary moments while large batches (over
+    ``apply_lanes_min_batch``) of three partitions are applied in two lanes, with copies of
+    events on other partitions: after three kills and a restart every event is applied
+    once, nothing dead-lettered, every offset committed."""
+    topic = settings.topic("job.ready")
+    events = [job_ready(f"kill{i}", charge_usd=0.25) for i in range(1500)]
+    parts = [(i % 3, str(e.job_id).encode(), encode_event(e)) for i, e in enumerate(events)]
+    parts += [((i + 1) % 3, str(e.job_id).encode(), encode_event(e))
+              for i, e in enumerate(events) if i % 7 == 0]
+    _produce(settings, topic, parts)
+    env = {"JOBSTREAM_CONSUMER_APPLY_LANES": "2", "JOBSTREAM_CONSUMER_BATCH_SIZE": "400"}
+    url = settings.database_url
+
+    def done() -> int:
+        return int(query(url, "SELECT count(*) AS n FROM processed_event")[0]["n"])
+
+    kills = 0
+    for step in (250, 600, 900):
+        consumer = procs.start("consume-ready", **env)
+        wait_for(lambda step=step: done() >= step, 90, f"{step} events applied", procs.logs,
+                 every_s=0.02)
+        procs.kill9(consumer)
+        kills += done() < len(events)
+    assert kills == 3, "drained before the kills: probe too small"
+    consumer = procs.start("consume-ready", **env)
+    group = settings.group("downstream-ready-applier")
+    wait_for(lambda: done() == len(events) and group_lag(settings, group, [topic]) == 0, 120,
+             "every event applied and every offset committed", procs.logs, every_s=0.5)
+    rows = query(url, "SELECT a.dedup_key, count(*) AS n, (SELECT count(*) FROM "
+                      "downstream.ledger_charge c WHERE c.dedup_key = a.dedup_key) AS charges "
+                      "FROM downstream.document_analysis a GROUP BY a.dedup_key")
+    got = {r["dedup_key"]: (int(r["n"]), int(r["charges"])) for r in rows}
+    assert len(got) == len(events) and set(got.values()) == {(1, 1)}, \
+        {k: v for k, v in got.items() if v != (1, 1)}
+    assert read_topic(settings, topic + ".dlq") == []
+    assert consumer.popen.poll() is None and "Traceback" not in consumer.log_text(), \
+        procs.logs()

@@ -189,7 +189,8 @@ def run_plain(settings: Settings, topic: str, n: int, decode: bool) -> dict[str,
 
 
 def make_consumer(settings: Settings, *, dedup: bool, max_batch: int | None, handler: str,
-                  decode_ahead: bool, dedup_table: str = "digest") -> IdempotentConsumer:
+                  decode_ahead: bool, dedup_table: str = "digest",
+                  lanes: int | None = None) -> IdempotentConsumer:
     """The ready applier (``jobstream.ready_applier.build``'s handlers) in a fresh group;
     ``dedup=False``: the at-least-once baseline (no ``processed_event`` insert or check, every
     delivered message applied). ``dedup_table``: ``digest`` (the library's table in
@@ -200,6 +201,8 @@ def make_consumer(settings: Settings, *, dedup: bool, max_batch: int | None, han
     if dedup_table == "digest":  # the table of ConsumerSettings(db_schema=BENCH_SCHEMA)
         consumer._table = sql.Identifier(BENCH_SCHEMA, consumer.settings.table)
     consumer.settings = consumer.settings.model_copy(update={"decode_ahead": decode_ahead})
+    if lanes is not None:
+        consumer.settings = consumer.settings.model_copy(update={"apply_lanes": lanes})
     consumer.on(JobReady, topic=settings.topic("job.ready"))(apply_ready)
     if handler == "copy":  # what jobstream.ready_applier.build registers
         consumer.on_batch(JobReady, prepare=copy_rows)(apply_ready_rows)
@@ -238,12 +241,13 @@ def run_apply(settings: Settings, n: int, consumer: IdempotentConsumer) -> dict[
     message (this process, and the consumer's Postgres backend, sampled after each commit)."""
     timed = TimedConsumer(consumer._consumer)
     consumer._consumer = timed  # type: ignore[assignment]
-    backend: dict[str, float | None] = {"cpu_s": None}
+    backends: dict[int, float | None] = {}  # backend pid -> its CPU seconds (every lane's)
     after = consumer.hooks.after_apply
 
     def sample() -> None:
-        if consumer._conn is not None:
-            backend["cpu_s"] = backend_cpu_s(consumer._conn.info.backend_pid)
+        for conn in list(consumer._conns.values()):
+            pid = conn.info.backend_pid
+            backends[pid] = backend_cpu_s(pid)
         if after is not None:
             after()
 
@@ -264,7 +268,8 @@ def run_apply(settings: Settings, n: int, consumer: IdempotentConsumer) -> dict[
     if done < n or timed.first is None:
         raise RuntimeError(f"idempotent consumer handled {done} of {n} messages")
     el = timed.last_store - timed.first
-    pg = backend["cpu_s"]
+    pg = (None if not backends or None in backends.values()
+          else sum(v for v in backends.values() if v is not None))
     return {"events_per_s": round(n / el), "elapsed_s": round(el, 3), "applied": st.applied,
             "duplicates_skipped": st.duplicates, "dead_lettered": st.dead_lettered,
             "cpu_us_per_msg": {"consumer_process": round(cpu / n * 1e6, 1),
@@ -303,7 +308,8 @@ def scenario(base: Settings, n: int, dup_pct: float, args: Any) -> dict[str, Any
     dec = run_plain(s, topic, n, decode=True)
     log(f"dups {dup_pct}%: decode {dec['events_per_s']}/s")
     kw = {"max_batch": args.max_batch, "handler": args.handler,
-          "decode_ahead": not args.no_decode_ahead, "dedup_table": args.dedup_table}
+          "decode_ahead": not args.no_decode_ahead, "dedup_table": args.dedup_table,
+          "lanes": args.lanes}
     alo_runs, idem_runs, ok = [], [], True
     effects: dict[str, int] = {}
     for r in range(args.rounds):
@@ -379,6 +385,10 @@ def main() -> None:
                    help="the idempotent apply's dedup table: the library's (schema "
                         "consumer_bench; default) or jobstream's own processed_event (both "
                         "keyed by the 16-byte key_digest since migration 0026)")
+    p.add_argument("--lanes", type=int,
+                   help="override ConsumerSettings.apply_lanes (Postgres connections applying "
+                        "the partitions of a batch concurrently; 1 = one transaction per "
+                        "batch; default: the setting's default)")
     p.add_argument("--rounds", type=int, default=3,
                    help="alternate the at-least-once and idempotent runs this many times; "
                         "the best of each is reported")

@@ -3,7 +3,8 @@
 ``consume-ready`` processes, Postgres and the broker.
 
 - kill -9 between the COPY and the commit: the batch's ``processed_event`` rows and both COPYs
-  are written, the transaction is not committed. The restarted consumer must apply every
+  are written, the transaction is not committed (with ``apply_lanes`` 2 the other lane's
+  part of the batch may be committed or not). The restarted consumer must apply every
   event exactly once (duplicates in the batch included: the same message twice, and the same
   dedup key under a new event id).
 - hostile numbers in a batch: a ``charge_usd`` the schema accepts but ``copy_rows`` cannot
@@ -58,7 +59,11 @@ def test_a_consumer_killed_between_copy_and_commit_applies_each_event_once(
              "the consumer to SIGKILL itself inside its COPY transaction", procs.logs)
     assert killed.popen.returncode == -9, procs.logs()
     assert "SIGKILL" in killed.log_text()
-    assert _applied(settings) == {}  # nothing of the batch committed
+    # The killed transaction committed nothing. With apply_lanes (2) a batch of the three
+    # partitions is applied as two transactions at once: the other one may have committed
+    # before the kill (its offsets not stored: it comes back as duplicates), never all 24.
+    partial = _applied(settings)
+    assert len(partial) < 24 and set(partial.values()) <= {(1, 1)}, partial
     procs.start("consume-ready", name="consumer-next")
     wait_for(lambda: len(_applied(settings)) == 24 and _lag_zero(settings), 60,
              "every event applied and every offset committed after the restart", procs.logs)

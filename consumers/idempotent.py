@@ -34,7 +34,8 @@ Postgres (it only reads message values: the Kafka consumer and Postgres stay in 
 computes its dedup-key digests and runs the batch handler's ``prepare`` on each event (e.g.
 the ready applier's binary COPY rows, :meth:`IdempotentConsumer.on_batch`).
 
-Apply lanes (``settings.apply_lanes``, 2 by default): a fetched batch is split by partition
+Apply lanes (``settings.apply_lanes``, 2 by default): a fetched batch of at least
+``settings.apply_lanes_min_batch`` messages (200) is split by partition
 (``partition % apply_lanes``) and its parts are applied at the same time, each in its own
 transaction on its own Postgres connection (the ``run()`` thread is lane 0, the others are
 helper threads), so one part's Python work runs while another waits on Postgres. Everything
@@ -757,14 +758,15 @@ class IdempotentConsumer:
     def _apply_lanes(self, msgs: list[Message], lanes: ThreadPoolExecutor | None) -> bool:
         """Apply a fetched batch and store its offsets; False when stopped before the end.
 
-        With ``lanes`` (``settings.apply_lanes`` > 1) the batch is split by partition
+        With ``lanes`` (``settings.apply_lanes`` > 1) a batch of at least
+        ``settings.apply_lanes_min_batch`` messages is split by partition
         (``partition % apply_lanes``): the first part is applied in this thread, the others
         at the same time by the lane threads, each on its own connection, in its own
         transaction. Every part is finished (committed, or stopped) before this returns, so
         the next batch of a partition never overtakes this one. The lane threads do not touch
         the Kafka consumer: the messages they applied come back here, and their offsets are
         stored (after the ``after_apply`` hook) only once their part is committed."""
-        if lanes is None or len(msgs) < 2:
+        if lanes is None or len(msgs) < max(2, self.settings.apply_lanes_min_batch):
             return self._apply(msgs)
         n = self.settings.apply_lanes
         parts: dict[int, list[Message]] = {}

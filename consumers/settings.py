@@ -48,6 +48,11 @@ class ConsumerSettings(BaseSettings):
                     "messages always stay in one part (per-partition order kept); the next "
                     "batch starts when every part is committed; offsets are stored only after "
                     "their part's commit. 1 = the whole batch in one transaction.")
+    apply_lanes_min_batch: int = Field(
+        200, ge=2,
+        description="Smallest fetched batch split into apply lanes (messages): a smaller one "
+                    "(a live stream with little lag) is applied in one transaction, so it "
+                    "does not pay an extra commit to overlap a short wait.")
     decode_ahead: bool = Field(True, description="Fetch and decode the next batch in a second "
                                                  "thread while one is applied in Postgres.")
     gc_tuning: bool = Field(True, description="While run() runs: gc.freeze() the objects alive "

@@ -53,18 +53,20 @@ def test_a_consumer_killed_between_copy_and_commit_applies_each_event_once(
     again = events[3].model_copy(update={"event_id": uuid.uuid4()})
     msgs = [_raw(e) for e in events] + [_raw(events[0]), _raw(again), _raw(events[10])]
     produce_raw(settings, settings.topic("job.ready"), msgs)
+    # Apply lanes even for this small batch: the kill lands while two parts are applied.
+    lanes = {"JOBSTREAM_CONSUMER_APPLY_LANES_MIN_BATCH": "2"}
     killed = procs.start("consume-ready", name="consumer-killed",
-                         JOBSTREAM_FAULT="consumer_inside_transaction")
+                         JOBSTREAM_FAULT="consumer_inside_transaction", **lanes)
     wait_for(lambda: killed.popen.poll() is not None, 60,
              "the consumer to SIGKILL itself inside its COPY transaction", procs.logs)
     assert killed.popen.returncode == -9, procs.logs()
     assert "SIGKILL" in killed.log_text()
-    # The killed transaction committed nothing. With apply_lanes (2) a batch of the three
+    # The killed transaction committed nothing. With apply lanes a batch of the three
     # partitions is applied as two transactions at once: the other one may have committed
     # before the kill (its offsets not stored: it comes back as duplicates), never all 24.
     partial = _applied(settings)
     assert len(partial) < 24 and set(partial.values()) <= {(1, 1)}, partial
-    procs.start("consume-ready", name="consumer-next")
+    procs.start("consume-ready", name="consumer-next", **lanes)
     wait_for(lambda: len(_applied(settings)) == 24 and _lag_zero(settings), 60,
              "every event applied and every offset committed after the restart", procs.logs)
     assert set(_applied(settings).values()) == {(1, 1)}, _applied(settings)

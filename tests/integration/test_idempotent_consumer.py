@@ -188,7 +188,8 @@ def test_copies_on_two_partitions_applied_by_two_lanes_at_once_apply_once(
     consumer is held inside the transaction of a first event (its ``in_transaction`` hook), so
     the client has fetched both partitions' backlog when the next batch is taken."""
     consumer = build(settings)
-    consumer.settings = consumer.settings.model_copy(update={"apply_lanes": 2})
+    consumer.settings = consumer.settings.model_copy(update={"apply_lanes": 2,
+                                                             "apply_lanes_min_batch": 2})
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:

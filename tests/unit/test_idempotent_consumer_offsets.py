@@ -98,6 +98,7 @@ def test_apply_lanes_split_by_partition_and_store_every_offset_from_the_run_thre
 
     fake.store_offsets = store_offsets  # type: ignore[method-assign]
     c = _consumer(fake)
+    c.settings = c.settings.model_copy(update={"apply_lanes": 2, "apply_lanes_min_batch": 2})
     parts: list[tuple[str, list[tuple[int, int]]]] = []
 
     def process_batch(msgs: list[Msg]) -> list[str]:

@@ -16,6 +16,9 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 import uuid
 
 import pytest
@@ -138,3 +141,42 @@ def test_copies_on_different_partitions_applied_by_two_consumers_at_once_apply_o
                  "SELECT count(*) AS n FROM processed_event")[0]["n"] == 60
     assert read_topic(settings, settings.topic("job.ready.dlq")) == []
     assert a.popen.poll() is None and b.popen.poll() is None, procs.logs()
+
+
+def test_partitions_revoked_while_a_lane_is_inside_its_transaction_apply_each_event_once(
+        settings: Settings, procs: ProcessRunner) -> None:
+    """Rebalance during apply with apply lanes (``APPLY_LANES_MIN_BATCH`` 2, ``BATCH_SIZE``
+    20): consumer A freezes (SIGSTOP) inside a lane's transaction of its third part; B joins,
+    A is evicted at its session timeout and B takes every partition, re-fetching A's batch
+    from the last committed offset: B's dedup insert waits on A's uncommitted rows. A is
+    resumed: it commits, finds its partitions revoked (no offset stored for them), rejoins.
+    Every event is applied once (some also re-delivered on another partition), every offset
+    committed, nothing dead-lettered, nobody crashed."""
+    lanes = {"JOBSTREAM_CONSUMER_APPLY_LANES_MIN_BATCH": "2",
+             "JOBSTREAM_CONSUMER_BATCH_SIZE": "20"}
+    events = [job_ready(f"r{i}", charge_usd=0.5) for i in range(300)]
+    msgs = [_raw(e) for e in events] + [(uuid.uuid4().bytes, encode_event(e))
+                                        for e in events[::5]]
+    produce_raw(settings, settings.topic("job.ready"), msgs)
+    a = procs.start("consume-ready", name="consumer-a", **lanes,
+                    JOBSTREAM_FAULT="consumer_inside_transaction@3=stop")
+    try:
+        wait_for(lambda: "SIGSTOP" in a.log_text(), 60, "A frozen inside a lane's transaction",
+                 procs.logs)
+        b = procs.start("consume-ready", name="consumer-b", **lanes)
+        wait_for(lambda: query(settings.database_url,
+                               "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = "
+                               "current_database() AND wait_event_type = 'Lock'")[0]["n"] > 0,
+                 60, "B holding A's partitions, waiting on A's uncommitted dedup rows",
+                 procs.logs, every_s=0.2)
+    finally:
+        os.kill(a.popen.pid, signal.SIGCONT)
+    wait_for(lambda: len(_applied(settings)) == 300 and _lag_zero(settings), 120,
+             "every event applied and every offset committed", procs.logs)
+    time.sleep(1)  # a copy applied twice would show by now
+    assert set(_applied(settings).values()) == {(1, 1)}
+    assert query(settings.database_url,
+                 "SELECT count(*) AS n FROM processed_event")[0]["n"] == 300
+    assert read_topic(settings, settings.topic("job.ready.dlq")) == []
+    assert a.popen.poll() is None and b.popen.poll() is None, procs.logs()
+    assert "Traceback" not in a.log_text() + b.log_text(), procs.logs()

@@ -112,3 +112,50 @@ def test_a_consumer_killed_again_and_again_mid_lanes_applies_each_event_once(
     assert read_topic(settings, topic + ".dlq") == []
     assert consumer.popen.poll() is None and "Traceback" not in consumer.log_text(), \
         procs.logs()
+
+
+def test_event_ids_reused_across_both_apply_lanes_at_once_are_dead_lettered_once_each(
+        settings: Settings, procs: ProcessRunner) -> None:
+    """The same event id under DIFFERENT dedup keys on two partitions, so both lanes insert
+    it at once (the ``processed_event`` rows are ordered by key digest, the event-id index
+    is not: crossing waits, a deadlock between the lanes). For each event id exactly one of
+    its two events is applied and the other dead-lettered ``event_id_conflict``; nothing
+    retried forever, nothing lost, the consumer alive."""
+    topic = settings.topic("job.ready")
+    n = 300
+    first = [job_ready(f"eid{i}", charge_usd=0.5) for i in range(n)]
+    other = [job_ready(f"eidx{i}", charge_usd=0.5).model_copy(
+        update={"event_id": first[(i * 7) % n].event_id}) for i in range(n)]
+    _produce(settings, topic, [(0, str(e.job_id).encode(), encode_event(e)) for e in first]
+             + [(1, str(e.job_id).encode(), encode_event(e)) for e in other])
+    consumer = procs.start("consume-ready", JOBSTREAM_CONSUMER_APPLY_LANES="2")
+    group = settings.group("downstream-ready-applier")
+    url = settings.database_url
+    dlq = topic + ".dlq"
+
+    def dead() -> list[str]:
+        return [dict(m.headers() or []).get("dlq_reason_code", b"").decode()
+                for m in read_topic(settings, dlq)] if dlq in _topics(settings) else []
+
+    wait_for(lambda: int(query(url, "SELECT count(*) AS n FROM processed_event")[0]["n"]) == n
+             and group_lag(settings, group, [topic]) == 0, 120,
+             "every event applied or dead-lettered and every offset committed", procs.logs,
+             every_s=0.5)
+    applied = {r["dedup_key"] for r in query(
+        url, "SELECT dedup_key FROM downstream.document_analysis")}
+    by_id: dict[object, list[str]] = {}
+    for e in first + other:
+        by_id.setdefault(e.event_id, []).append(e.dedup_key)
+    assert all(len(set(keys) & applied) == 1 for keys in by_id.values()), \
+        [keys for keys in by_id.values() if len(set(keys) & applied) != 1][:5]
+    codes = dead()
+    assert len(codes) == n and set(codes) == {"event_id_conflict"}, codes[:10]
+    assert consumer.popen.poll() is None and "Traceback" not in consumer.log_text(), \
+        procs.logs()
+
+
+def _topics(settings: Settings) -> set[str]:
+    from confluent_kafka.admin import AdminClient
+
+    from jobstream.kafka import base_config
+    return set(AdminClient(base_config(settings)).list_topics(timeout=10).topics)

@@ -193,7 +193,7 @@ def test_a_consumer_sigstopped_mid_lanes_past_its_session_applies_each_event_onc
         procs.start("consume-ready", name="consumer-next", **env)
         wait_for(lambda: done() == len(events), 90,
                  "the next consumer to apply everything while the first is frozen",
-                 procs.logs, every_s=0.5)
+                 lambda: _sessions(url) + procs.logs(), every_s=0.5)
     finally:
         os.kill(frozen.popen.pid, signal.SIGCONT)
     group = settings.group("downstream-ready-applier")
@@ -210,3 +210,13 @@ def test_a_consumer_sigstopped_mid_lanes_past_its_session_applies_each_event_onc
     assert read_topic(settings, topic + ".dlq") == []
     assert all(p.popen.poll() is None for p in procs.procs), procs.logs()
     assert "Traceback" not in "".join(p.log_text() for p in procs.procs), procs.logs()
+
+
+def _sessions(url: str) -> str:
+    """The test database's sessions (state, what they wait for, their query): why a
+    consumer waits."""
+    rows = query(url, "SELECT pid, application_name, state, wait_event_type, wait_event, "
+                      "now() - xact_start AS xact_age, left(query, 120) AS q FROM "
+                      "pg_stat_activity WHERE datname = current_database() AND pid <> "
+                      "pg_backend_pid()")
+    return "\n".join(str(r) for r in rows) + "\n"

@@ -15,9 +15,6 @@ nothing dead-lettered, every offset committed, the consumer alive.
 
 from __future__ import annotations
 
-import os
-import signal
-import time
 import uuid
 
 import pytest
@@ -163,60 +160,3 @@ def _topics(settings: Settings) -> set[str]:
     from jobstream.kafka import base_config
     return set(AdminClient(base_config(settings)).list_topics(timeout=10).topics)
 
-
-def test_a_consumer_sigstopped_mid_lanes_past_its_session_applies_each_event_once(
-        settings: Settings, procs: ProcessRunner) -> None:
-    """SIGSTOP from outside at an arbitrary moment while a backlog is applied in two lanes
-    (two transactions on two connections, possibly both open), past the session timeout and
-    the transaction idle limit; a second consumer takes the partitions over; then SIGCONT.
-    Every event applied once, nothing dead-lettered (``poison_after`` 1: a dead session met on
-    resume must count as an outage), every offset committed, both alive."""
-    topic = settings.topic("job.ready")
-    events = [job_ready(f"stop{i}", charge_usd=0.25) for i in range(2400)]
-    _produce(settings, topic, [(i % 3, str(e.job_id).encode(), encode_event(e))
-                               for i, e in enumerate(events)]
-             + [((i + 2) % 3, str(e.job_id).encode(), encode_event(e))
-                for i, e in enumerate(events) if i % 11 == 0])
-    env = {"JOBSTREAM_CONSUMER_APPLY_LANES": "2", "JOBSTREAM_CONSUMER_BATCH_SIZE": "400",
-           "JOBSTREAM_CONSUMER_TRANSACTION_IDLE_TIMEOUT_S": "3",
-           "JOBSTREAM_CONSUMER_POISON_AFTER": "1"}
-    url = settings.database_url
-
-    def done() -> int:
-        return int(query(url, "SELECT count(*) AS n FROM processed_event")[0]["n"])
-
-    frozen = procs.start("consume-ready", name="consumer-frozen", **env)
-    try:
-        wait_for(lambda: done() >= 300, 60, "some batches applied", procs.logs, every_s=0.02)
-        os.kill(frozen.popen.pid, signal.SIGSTOP)
-        assert done() < len(events), "drained before the freeze: probe too small"
-        procs.start("consume-ready", name="consumer-next", **env)
-        wait_for(lambda: done() == len(events), 90,
-                 "the next consumer to apply everything while the first is frozen",
-                 lambda: _sessions(url) + procs.logs(), every_s=0.5)
-    finally:
-        os.kill(frozen.popen.pid, signal.SIGCONT)
-    group = settings.group("downstream-ready-applier")
-    wait_for(lambda: group_lag(settings, group, [topic]) == 0, 60, "every offset committed",
-             procs.logs, every_s=0.5)
-    time.sleep(2)  # the resumed consumer's retried batch would show by now
-    rows = query(url, "SELECT a.dedup_key, count(*) AS n, (SELECT count(*) FROM "
-                      "downstream.ledger_charge c WHERE c.dedup_key = a.dedup_key) AS charges "
-                      "FROM downstream.document_analysis a GROUP BY a.dedup_key")
-    got = {r["dedup_key"]: (int(r["n"]), int(r["charges"])) for r in rows}
-    assert len(got) == len(events) and set(got.values()) == {(1, 1)}, \
-        {k: v for k, v in got.items() if v != (1, 1)}
-    assert done() == len(events)
-    assert read_topic(settings, topic + ".dlq") == []
-    assert all(p.popen.poll() is None for p in procs.procs), procs.logs()
-    assert "Traceback" not in "".join(p.log_text() for p in procs.procs), procs.logs()
-
-
-def _sessions(url: str) -> str:
-    """The test database's sessions (state, what they wait for, their query): why a
-    consumer waits."""
-    rows = query(url, "SELECT pid, application_name, state, wait_event_type, wait_event, "
-                      "now() - xact_start AS xact_age, left(query, 120) AS q FROM "
-                      "pg_stat_activity WHERE datname = current_database() AND pid <> "
-                      "pg_backend_pid()")
-    return "\n".join(str(r) for r in rows) + "\n"

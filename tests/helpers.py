@@ -328,3 +328,21 @@ def freeze_in_local_llm(settings: Settings, procs: ProcessRunner, key: str, text
     wait_for(lambda: "SIGSTOP" in frozen.log_text(), 90,
              "the worker to freeze inside the local llm transaction", procs.logs)
     return relay, frozen
+
+
+@contextmanager
+def run_points_concurrently(request: Any, test_name: str, param: str,
+                            run: Callable[[str], Any], width: int = 2
+                            ) -> Iterator[dict[str, Any]]:
+    """Start the selected points of the parametrised test ``test_name`` (its ``param`` values,
+    in collection order), ``width`` at a time in threads, each by ``run(point)``; yields
+    ``{point: concurrent.futures.Future}``. For a module fixture of points that are
+    independent (each its own database, topic prefix, fake provider and processes) and that
+    mostly WAIT (fixed pauses, session timeouts): two overlap their waits, and the wall time of
+    the matrix nearly halves. Exits once every started point finished."""
+    from concurrent.futures import ThreadPoolExecutor
+    points = [item.callspec.params[param] for item in request.session.items
+              if getattr(item, "originalname", None) == test_name
+              and item.module is request.module]
+    with ThreadPoolExecutor(max_workers=width, thread_name_prefix=test_name) as pool:
+        yield {p: pool.submit(run, p) for p in points}

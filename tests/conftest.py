@@ -37,6 +37,10 @@ from tests.helpers import ProcessRunner
 #: starts once. Every other test is scheduled on its own (each has its own database and topic
 #: prefix). A module added here must not depend on which other tests run beside it.
 ONE_WORKER_MODULES = frozenset({
+    # The matrices: a module fixture runs their selected points two at a time (each worker that
+    # ran a part of the module would run every point).
+    "tests/e2e/test_crash_matrix.py",
+    "tests/e2e/test_pause.py",
     "tests/e2e/test_debezium_relay.py",
     "tests/e2e/test_service_restarts.py",
     "tests/e2e/test_starvation_and_outage.py",

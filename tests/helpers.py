@@ -341,6 +341,9 @@ def run_points_concurrently(request: Any, test_name: str, param: str,
     mostly WAIT (fixed pauses, session timeouts): two overlap their waits, and the wall time of
     the matrix nearly halves. Exits once every started point finished."""
     from concurrent.futures import ThreadPoolExecutor
+    # pytest creates (and first empties) the session's base temp dir on its first use: here,
+    # not in two threads at once (one would delete the other's tmp_path_factory.mktemp dir).
+    request.getfixturevalue("tmp_path_factory").getbasetemp()
     points = [item.callspec.params[param] for item in request.session.items
               if getattr(item, "originalname", None) == test_name
               and item.module is request.module]

@@ -149,17 +149,49 @@ def _frozen_until_fenced(rig: Rig, second_worker: bool, *, at_most_s: float) -> 
         time.sleep(max(0.0, min(rig.s.sweep_grace_s / 2 + 1, deadline - time.monotonic())))
 
 
-@pytest.mark.parametrize("rig", [PAUSED], indirect=True)
-@pytest.mark.parametrize("how,second_worker", [
-    ("fault", False),
+#: The cases of the paused-worker reproduction: (how it freezes, whether a second worker joins).
+PAUSED_CASES = {
+    "fault-point": ("fault", False),
     # Once flaky (~1 in 10 under load): the rebalance after SIGCONT dropped offsets 0 and 1 of
     # the job.chunks_ready partition and nothing rewound to them (streams/offsets.py,
     # rewind_to_committed; tests/integration/test_offsets_rewind.py).
-    ("sigstop", False),
-    ("sigstop", True)],
-                         ids=["fault-point", "sigstop", "sigstop-second-worker-joins"])
-def test_a_paused_worker_never_strands_its_job(rig: Rig, how: str,
-                                               second_worker: bool) -> None:
+    "sigstop": ("sigstop", False),
+    "sigstop-second-worker-joins": ("sigstop", True),
+}
+
+
+@pytest.fixture(scope="module")
+def paused_worker_runs(request: pytest.FixtureRequest, isolated_settings: Any,
+                       tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The selected cases of :data:`PAUSED_CASES`, two at a time (each mostly waits for a lease
+    and the sweeper), each with its own rig (database, topic prefix, fake provider, processes)
+    exactly as the ``rig`` fixture makes it: ``{case: Future[effects]}``; a failed assertion
+    is raised by the case's own test."""
+    def run(case: str) -> dict[str, int]:
+        how, second_worker = PAUSED_CASES[case]
+        with isolated_settings() as base, FakeProvider() as fake:
+            s = chaos.chaos_settings(base, fake.base_url).model_copy(update=PAUSED)
+            rig = Rig(s, fake, tmp_path_factory.mktemp("paused-worker"))
+            try:
+                return _a_paused_worker_never_strands_its_job(rig, how, second_worker)
+            finally:
+                for p in rig.runner.procs:  # a frozen process must wake up to hear SIGTERM
+                    if p.popen.poll() is None:
+                        os.kill(p.popen.pid, signal.SIGCONT)
+                rig.runner.stop_all()
+    with run_points_concurrently(request, "test_a_paused_worker_never_strands_its_job", "case",
+                                 run) as futs:
+        yield futs
+
+
+@pytest.mark.parametrize("case", list(PAUSED_CASES))
+def test_a_paused_worker_never_strands_its_job(paused_worker_runs: dict[str, Any],
+                                               case: str) -> None:
+    print(paused_worker_runs[case].result(timeout=280))
+
+
+def _a_paused_worker_never_strands_its_job(rig: Rig, how: str,
+                                           second_worker: bool) -> dict[str, int]:
     s, url = rig.s, rig.s.database_url
     rig.fake.set_script({"default": {"latency_s": 2}})
     rig.start("relay")
@@ -201,7 +233,7 @@ def test_a_paused_worker_never_strands_its_job(rig: Rig, how: str,
     if how == "sigstop":
         assert any(a["outcome"] in ("discarded", "abandoned") for a in mine), mine
     assert worker.popen.poll() is None, "the resumed worker keeps running"
-    print(effects)
+    return effects
 
 
 @pytest.mark.parametrize("rig", [{"lease_s": 6.0, "sweep_grace_s": 1.0,

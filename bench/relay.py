@@ -849,7 +849,14 @@ def main() -> None:
                    help="debezium: also measure the Debezium relay in the same run")
     p.add_argument("--connect-url", help="a running Kafka Connect worker (default: start a "
                    "private one with scripts/services.sh)")
+    p.add_argument("--topic-max-message-bytes", type=int,
+                   help="create the drains' and raw producer's topics with this "
+                        "max.message.bytes (bytes), below the producer's message.max.bytes: "
+                        "the relay's narrow-topic path (e.g. 1048588, the broker's default; "
+                        "default: as jobstream creates its topics)")
     args = p.parse_args()
+    if args.topic_max_message_bytes:  # a narrow topic: the relay's _narrow path
+        TOPIC_CONFIG["max.message.bytes"] = str(args.topic_max_message_bytes)
     args.n = int(args.n)
     args.n_large = int(args.n_large)
     args.rates = [float(r) for r in args.rates.split(",") if r]

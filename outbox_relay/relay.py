@@ -31,6 +31,7 @@ Protocol (design.md, "Outbox relay"):
 
 from __future__ import annotations
 
+import importlib
 import logging
 import queue
 import signal
@@ -95,9 +96,9 @@ BATCH_OVERHEAD, RECORD_OVERHEAD, HEADER_OVERHEAD = 73, 36, 10
 
 def record_bytes(row: tuple[Any, ...]) -> int:
     """An upper bound of the bytes (uncompressed) of outbox ``row`` alone in a record batch:
-    its key, value and headers (UTF-8) plus the framing. Compression can only make the batch
-    the broker checks against ``max.message.bytes`` smaller (librdkafka sends a batch
-    uncompressed when compressing does not shrink it)."""
+    its key, value and headers (UTF-8) plus the framing. Compression usually makes the batch
+    the broker checks against ``max.message.bytes`` smaller; its worst-case growth on
+    incompressible bytes is in :func:`narrow_batch_bytes`' margin."""
     _id, _topic, key, payload, headers, _type = row
     n = BATCH_OVERHEAD + RECORD_OVERHEAD + len(payload)
     if key is not None:
@@ -261,6 +262,9 @@ class OutboxRelay:
         #: Topic -> whether its last rows went to the narrow producer (True) or to the main
         #: one: when that changes, the other producer is flushed first (per-key order).
         self._on_narrow: dict[str, bool] = {}
+        #: The next draining fetch, sent ahead in pipeline mode (_read_ahead): the id it
+        #: reads after, its cursor and the pipeline's context manager.
+        self._ahead: tuple[int, Any, Any] | None = None
 
     def stop(self, *_: Any) -> None:
         """Ask the relay loop to finish its current batch and return."""
@@ -344,10 +348,13 @@ class OutboxRelay:
         now = time.monotonic()
         if self._draining and now - self._last_rescan < st.relay_rescan_s:
             self.mark(conn)  # on the marker thread: rows after _hwm only are read here
-            self.stats.transactions += 1
-            with conn.cursor(row_factory=tuple_row, binary=True) as cur:
-                rows = cur.execute(Q["outbox_fetch_after"], (self._hwm, n)).fetchall()
+            rows = self._take_ahead(self._hwm)
+            if rows is None:
+                self.stats.transactions += 1
+                with conn.cursor(row_factory=tuple_row, binary=True) as cur:
+                    rows = cur.execute(Q["outbox_fetch_after"], (self._hwm, n)).fetchall()
         else:
+            self._take_ahead(None)
             floors = self._floors
             while floors and now - floors[0][0] >= st.relay_late_commit_s:
                 self._floor = floors.popleft()[1]
@@ -379,7 +386,41 @@ class OutboxRelay:
         self._draining = len(rows) >= n
         if rows:
             self._hwm = max(self._hwm, max(r[0] for r in rows))
+        if (self._draining and self._marker is not None
+                and now - self._last_rescan < st.relay_rescan_s):
+            self._read_ahead(conn)
         return rows
+
+    def _read_ahead(self, conn: Conn) -> None:
+        """Send the next draining fetch (the rows after ``_hwm``) without waiting for it
+        (psycopg pipeline mode): Postgres reads them while this batch is produced, and the
+        next :meth:`_fetch` takes the result (:meth:`_take_ahead`). Until then ``conn`` runs
+        nothing else: every other use of it takes (or drops) the read-ahead first."""
+        pipeline = conn.pipeline()
+        pipeline.__enter__()
+        try:
+            cur = conn.cursor(row_factory=tuple_row, binary=True)
+            cur.execute(Q["outbox_fetch_after"], (self._hwm, self.settings.relay_batch_size))
+        except BaseException:
+            pipeline.__exit__(None, None, None)
+            raise
+        self.stats.transactions += 1
+        self._ahead = (self._hwm, cur, pipeline)
+
+    def _take_ahead(self, after: int | None) -> list[tuple[Any, ...]] | None:
+        """Wait for the read-ahead (if one was sent) and leave pipeline mode; its rows when
+        it read after id ``after`` (the fetch the caller would run), else None (dropped: the
+        caller reads again)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        at, cur, pipeline = ahead
+        try:
+            rows: list[tuple[Any, ...]] = cur.fetchall()
+        finally:
+            cur.close()
+            pipeline.__exit__(None, None, None)
+        return rows if at == after else None
 
     def _forget_floor(self) -> None:
         """Read from id 0 next time (a row was given back as undelivered: it may lie below
@@ -513,6 +554,26 @@ class OutboxRelay:
                     "setting to the topic's limit", topic, got[0],
                     self.settings.kafka_message_max_bytes, narrow_batch_bytes(limit))
         return got[0] is not None and got[0] < self.settings.kafka_message_max_bytes
+
+    def _warm_up(self) -> None:
+        """Before the lock (a standby too, so a takeover publishes at once): import what the
+        sweeper, retention and parking use, and connect the AdminClient that asks a topic's
+        ``max.message.bytes``. The imports took ~0.25 s inside the first drain (bench.relay
+        --profile, issue 12's fifth pass), and the first describe_configs of a cold
+        AdminClient includes its connection to the broker, which under load can take longer
+        than :meth:`_topic_limit` waits (the topic is then taken as wide for 60 s)."""
+        for module in ("jobstream.deadletter", "jobstream.retention", "streams.actions",
+                       "streams.context"):
+            importlib.import_module(module)
+        if self.housekeeping_only:
+            return
+        from confluent_kafka.admin import AdminClient
+        try:
+            if self._admin is None:
+                self._admin = AdminClient(base_config(self.settings))
+            self._admin.list_topics(timeout=5)
+        except KafkaException as exc:  # the broker is not there yet: asked again on use
+            log.debug("relay warm-up: broker metadata not fetched: %s", exc)
 
     def _topic_limit(self, topic: str) -> int | None:
         """``topic``'s ``max.message.bytes`` (bytes), or None when the broker did not say
@@ -652,6 +713,7 @@ class OutboxRelay:
             return 0
         log_published = self.settings.relay_published_log
         if self._marker is None:
+            self._take_ahead(None)
             self.stats.transactions += 1
             conn.execute(Q["outbox_delete_published" if log_published
                            else "outbox_delete_published_nolog"],
@@ -667,6 +729,7 @@ class OutboxRelay:
         batch-mates may be the reason); one that fails alone, or that the client refused, is
         parked. Raises :class:`DeliveryFailed` when some rows failed with a retriable error
         (they stay unpublished; the caller backs off)."""
+        self._take_ahead(None)  # conn runs the parks below
         if wait:
             self._flush(60)
         retriable: list[tuple[tuple[Any, ...], KafkaError | None]] = (
@@ -884,6 +947,7 @@ class OutboxRelay:
         released), never a live relay's. Raises ``psycopg.OperationalError`` when the
         session is gone (the lock with it)."""
         if time.monotonic() - self._touched >= self.settings.relay_lock_timeout_s / 3:
+            self._take_ahead(None)
             conn.execute(Q["relay_touch"])
             self._touched = time.monotonic()
 
@@ -945,6 +1009,7 @@ class OutboxRelay:
                            if self._acked else min(st.relay_poll_interval_s,
                                                    st.relay_lock_timeout_s / 3))
                 woke = False
+                self._take_ahead(None)
                 for _ in conn.notifies(timeout=timeout, stop_after=1):
                     woke = True
                 # Woken only to serve reports: no fetch (a commit's NOTIFY, or the wait
@@ -959,6 +1024,7 @@ class OutboxRelay:
 
     def _reset_pipeline(self) -> None:
         """Forget the rows in flight (a new session: they are fetched again)."""
+        self._ahead = None  # its session is gone (or it was taken)
         self._pending.clear()
         self._acked, self._failed, self._refused = [], [], []
         self._hwm = 0
@@ -967,6 +1033,10 @@ class OutboxRelay:
     def _give_up_in_flight(self) -> None:
         """After an unexpected error: let every row in flight be fetched again."""
         self._flush(10)
+        try:
+            self._take_ahead(None)
+        except psycopg.Error as exc:  # the session is in doubt: reconnect (run())
+            raise psycopg.OperationalError(f"relay read-ahead failed: {exc}") from exc
         self._pending.clear()
         self._failed, self._refused = [], []
         self._forget_floor()
@@ -979,6 +1049,7 @@ class OutboxRelay:
         if marker is None:
             return
         try:
+            self._take_ahead(None)
             if self._pending:
                 self._flush(10)
             self.mark(conn)
@@ -998,6 +1069,7 @@ class OutboxRelay:
         """Relay until stopped. Reconnects to Postgres with backoff; never marks a row
         published before its delivery report."""
         backoff = 0.5
+        self._warm_up()
         while not self._stop.is_set():
             try:
                 with connect(self.settings.database_url, autocommit=True) as conn:

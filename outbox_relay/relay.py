@@ -106,6 +106,8 @@ def record_bytes(row: tuple[Any, ...]) -> int:
     if isinstance(headers, dict):
         for k, v in headers.items():
             n += HEADER_OVERHEAD + len(str(k).encode()) + len(str(v).encode())
+    elif headers:  # not the relay's dict (jsonb of another shape): its JSON, an upper bound
+        n += HEADER_OVERHEAD + len(orjson.dumps(headers, default=str))
     return n
 
 

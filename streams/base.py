@@ -213,7 +213,8 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
                 await dead_letter(event, UNHANDLED, describe(exc), getattr(ev, "job_id", None))
                 return
 
-    tracker = getattr(app, "completion_tracker", None) or offsets.install(app)
+    tracker = getattr(app, "completion_tracker", None) or offsets.install(
+        app, stuck_after_s=s.sweep_stall_grace_s)
 
     async def guarded(event: faust.EventT[Any], round_no: int) -> None:
         """The one guard around a consumed message: whatever escapes decoding, handling or

@@ -51,7 +51,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,17 +70,29 @@ class _Partition:
     floor: int | None = None  # sought to, not received since: the commit never passes it
     rewind: int | None = None  # a gap seen above ``floor``: seek back here (once per floor)
     sought_back: bool = False  # the seek back for ``floor`` was asked for
+    since: dict[int, float] = field(default_factory=dict)  # offset -> first received (clock)
+    floor_since: float = 0.0  # when ``floor`` was set (clock)
+    warned: set[int] = field(default_factory=set)  # offsets (or -1-floor) already logged
 
 
 class CompletionTracker:
     """Per-partition completion of consumed messages (thread-safe).
 
     Keys are faust ``TP`` tuples (topic, partition); offsets are Kafka offsets (ints).
+
+    ``stuck_after_s`` (seconds): when :meth:`committable` finds the partition's commit held
+    that long by one offset still in flight, or by a seek's floor never received, it logs a
+    WARNING once for it (the second stall shape in docs/design-notes.md "Stalled between
+    stages": an offset taken whose run never finished, or one dropped unseen). ``clock``:
+    seconds, monotonic.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stuck_after_s: float = 300.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
         self._parts: dict[Any, _Partition] = {}
+        self.stuck_after_s = stuck_after_s
+        self._clock = clock
 
     def received(self, tp: Any, offset: int) -> int:
         """Record that ``offset`` of ``tp`` started processing; returns the assignment epoch
@@ -97,6 +110,8 @@ class CompletionTracker:
                                 "back (transaction markers or compaction); going on",
                                 p.floor, offset - 1, tp[0], tp[1])
                     p.floor, p.sought_back = None, False
+            if offset not in p.in_flight:
+                p.since[offset] = self._clock()
             p.in_flight[offset] = p.in_flight.get(offset, 0) + 1
             if p.next_offset is None or offset + 1 > p.next_offset:
                 p.next_offset = offset + 1
@@ -112,6 +127,11 @@ class CompletionTracker:
             p.in_flight[offset] -= 1
             if not p.in_flight[offset]:
                 del p.in_flight[offset]
+                p.since.pop(offset, None)
+                if offset in p.warned:
+                    p.warned.discard(offset)
+                    log.warning("offset %d of %s[%d], logged as stuck, finished",
+                                offset, tp[0], tp[1])
 
     def committable(self, tp: Any) -> int | None:
         """The offset to commit for ``tp``: the lowest offset still in flight (every message
@@ -123,10 +143,36 @@ class CompletionTracker:
             p = self._parts.get(tp)
             if p is None:
                 return None
-            offset = min(p.in_flight) if p.in_flight else p.next_offset
+            offset = p.next_offset
+            if p.in_flight:
+                offset = low = min(p.in_flight)
+                self._stuck(tp, p, low, p.since.get(low))
             if offset is not None and p.floor is not None:
+                if p.floor < offset:
+                    self._stuck(tp, p, -1 - p.floor, p.floor_since)
                 return min(offset, p.floor)
             return offset
+
+    def _stuck(self, tp: Any, p: _Partition, offset: int, since: float | None) -> None:
+        """Log (once) that ``offset`` of ``tp`` has held the commit for ``stuck_after_s`` or
+        longer; a negative ``offset`` is ``-1 - floor``: a seek's floor never received."""
+        if since is None or offset in p.warned:
+            return
+        age = self._clock() - since
+        if age < self.stuck_after_s:
+            return
+        p.warned.add(offset)
+        if offset >= 0:
+            log.warning("offset %d of %s[%d] has been in flight for %.0f s (%d copies): the "
+                        "partition's offset commit waits for it; its run has not finished "
+                        "(a stage call that never returns?). The sweeper re-drives its job "
+                        "after sweep_stall_grace_s; a rebalance redelivers it",
+                        offset, tp[0], tp[1], age, p.in_flight.get(offset, 0))
+        else:
+            log.warning("offset %d of %s[%d] was sought to %.0f s ago and never received "
+                        "while later offsets were (up to %s): the commit is held there; "
+                        "fetched and dropped before an agent took it?",
+                        -1 - offset, tp[0], tp[1], age, p.next_offset)
 
     def sought(self, tp: Any, offset: int) -> None:
         """Record that the consumer's position of ``tp`` was set to ``offset`` (a seek to the
@@ -136,6 +182,8 @@ class CompletionTracker:
         with self._lock:
             p = self._parts.setdefault(tp, _Partition())
             p.floor, p.rewind, p.sought_back = offset, None, False
+            p.floor_since = self._clock()
+            p.warned = {o for o in p.warned if o >= 0}  # an earlier floor's warning
 
     def take_rewind(self, tp: Any) -> int | None:
         """The offset to seek ``tp`` back to, once, if the last :meth:`received` offset left
@@ -239,10 +287,11 @@ class TrackedConsumerMixin:
         await super().on_partitions_assigned(assigned, generation_id)  # type: ignore[misc]  # faust's
 
 
-def install(app: faust.App) -> CompletionTracker:
+def install(app: faust.App, stuck_after_s: float = 300.0) -> CompletionTracker:
     """Make ``app``'s consumer commit by completion (call before the app starts); returns the
-    tracker the agents report to (also ``app.completion_tracker``)."""
-    tracker = CompletionTracker()
+    tracker the agents report to (also ``app.completion_tracker``). ``stuck_after_s``: see
+    :class:`CompletionTracker` (seconds)."""
+    tracker = CompletionTracker(stuck_after_s)
     transport = app.transport
     base = transport.Consumer
     tracked: type = type("TrackedConsumer", (TrackedConsumerMixin, base), {"tracker": tracker})

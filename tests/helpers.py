@@ -328,3 +328,44 @@ def freeze_in_local_llm(settings: Settings, procs: ProcessRunner, key: str, text
     wait_for(lambda: "SIGSTOP" in frozen.log_text(), 90,
              "the worker to freeze inside the local llm transaction", procs.logs)
     return relay, frozen
+
+
+@contextmanager
+def kept_frozen(settings: Settings, procs: ProcessRunner, frozen: Proc) -> Iterator[None]:
+    """Run the block while ``frozen`` (a worker from :func:`freeze_in_local_llm`) stays
+    stopped: assert it is still stopped at the end of the block (else the probe was
+    inconclusive), SIGCONT it whatever happens, then wait (90 s) until the late stage topics
+    (``job.chunks_ready``, ``job.llm_done``, ``job.validated``) are consumed and committed by
+    the stage workers' consumer group (lag 0), so the resumed worker had its say.
+
+    Raises AssertionError when the worker was resumed early, TimeoutError when the lag
+    stays."""
+    import os
+    import signal
+
+    from jobstream.kafka import group_lag
+    try:
+        yield
+        assert stopped(frozen.popen.pid), "the frozen worker was resumed early: inconclusive"
+    finally:
+        os.kill(frozen.popen.pid, signal.SIGCONT)
+    topics = [settings.topic(t) for t in ("job.chunks_ready", "job.llm_done", "job.validated")]
+    wait_for(lambda: group_lag(settings, settings.group("jobstream-streams"), topics) == 0, 90,
+             "the stage topics consumed and committed after the resume", procs.logs,
+             every_s=1.0)
+
+
+def assert_one_succeeded_attempt_per_chunk(url: str, job_id: Any) -> list[dict[str, Any]]:
+    """Assert that job ``job_id`` has more than one chunk and exactly one ``succeeded``
+    provider attempt per chunk (no other attempt): a frozen or stale run's answers were never
+    recorded beside the live run's. Returns the chunks (``idx``, ``llm_attempt_id``,
+    ``outcome`` of the bound attempt) ordered by ``idx``."""
+    chunks = query(url, "SELECT c.idx, c.llm_attempt_id, a.outcome FROM chunk c LEFT JOIN "
+                        "provider_attempt a ON a.attempt_id = c.llm_attempt_id "
+                        "WHERE c.job_id = %s ORDER BY c.idx", (job_id,))
+    assert len(chunks) > 1, chunks
+    attempts = query(url, "SELECT chunk_idx, outcome, count(*) AS n FROM provider_attempt "
+                          "WHERE job_id = %s GROUP BY chunk_idx, outcome", (job_id,))
+    assert sorted((a["chunk_idx"], a["outcome"], a["n"]) for a in attempts) == [
+        (c["idx"], "succeeded", 1) for c in chunks], attempts
+    return chunks

@@ -15,19 +15,16 @@ dead-lettered, both workers alive.
 
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
 
-from jobstream.kafka import group_lag
 from jobstream.settings import Settings
 from tests.helpers import (
     ProcessRunner,
+    assert_one_succeeded_attempt_per_chunk,
     freeze_in_local_llm,
+    kept_frozen,
     query,
     read_topic,
-    stopped,
     wait_for,
 )
 
@@ -48,7 +45,7 @@ def test_a_worker_frozen_inside_the_local_llm_transaction_past_its_lease_answers
     env = {"JOBSTREAM_LEASE_S": "4", "JOBSTREAM_CHUNK_SIZE_CHARS": "400"}
     # One document: the one-transaction stages run extract (1), chunk (2), llm (3).
     _, frozen = freeze_in_local_llm(settings, procs, "frozen-llm", TEXT, env)
-    try:
+    with kept_frozen(settings, procs, frozen):
         job_id = _job(settings)["job_id"]
         stages = {r["stage"]: r["status"] for r in query(
             settings.database_url, "SELECT stage, status FROM job_stage WHERE job_id = %s",
@@ -58,26 +55,12 @@ def test_a_worker_frozen_inside_the_local_llm_transaction_past_its_lease_answers
         wait_for(lambda: _job(settings).get("status") == "succeeded", 120,
                  "the live worker to finish the job while the other is frozen", procs.logs,
                  every_s=1.0)
-        assert stopped(frozen.popen.pid), "the frozen worker was resumed early: inconclusive"
-    finally:
-        os.kill(frozen.popen.pid, signal.SIGCONT)
-    topics = [settings.topic(t) for t in ("job.chunks_ready", "job.llm_done", "job.validated")]
-    wait_for(lambda: group_lag(settings, settings.group("jobstream-streams"), topics) == 0, 90,
-             "the stage topics consumed and committed after the resume", procs.logs,
-             every_s=1.0)
     wait_for(lambda: query(settings.database_url, "SELECT count(*) AS n FROM "
                            "downstream.ledger_charge")[0]["n"] >= 1, 60,
              "the result applied downstream", procs.logs)
     url = settings.database_url
-    chunks = query(url, "SELECT c.idx, c.llm_attempt_id, a.outcome FROM chunk c LEFT JOIN "
-                        "provider_attempt a ON a.attempt_id = c.llm_attempt_id "
-                        "WHERE c.job_id = %s ORDER BY c.idx", (job_id,))
-    assert len(chunks) > 1, chunks
+    chunks = assert_one_succeeded_attempt_per_chunk(url, job_id)
     assert {c["outcome"] for c in chunks} == {"succeeded"}, chunks
-    attempts = query(url, "SELECT chunk_idx, outcome, count(*) AS n FROM provider_attempt "
-                          "WHERE job_id = %s GROUP BY chunk_idx, outcome", (job_id,))
-    assert sorted((a["chunk_idx"], a["outcome"], a["n"]) for a in attempts) == [
-        (c["idx"], "succeeded", 1) for c in chunks], attempts
     assert query(url, "SELECT count(*) AS n FROM downstream.document_analysis")[0]["n"] == 1
     assert query(url, "SELECT count(*) AS n FROM downstream.ledger_charge")[0]["n"] == 1
     ready = [m for m in read_topic(settings, settings.topic("job.ready"))

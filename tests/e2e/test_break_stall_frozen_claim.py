@@ -15,19 +15,16 @@ services.
 
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
 
-from jobstream.kafka import group_lag
 from jobstream.settings import Settings
 from tests.helpers import (
     ProcessRunner,
+    assert_one_succeeded_attempt_per_chunk,
     freeze_in_local_llm,
+    kept_frozen,
     query,
     read_topic,
-    stopped,
     wait_for,
 )
 
@@ -47,7 +44,7 @@ def test_the_stall_backstop_racing_a_frozen_one_transaction_claim_doubles_nothin
     env = {"JOBSTREAM_LEASE_S": "4", "JOBSTREAM_CHUNK_SIZE_CHARS": "400",
            "JOBSTREAM_SWEEP_STALL_GRACE_S": "1", "JOBSTREAM_SWEEP_GRACE_S": "1"}
     relay, frozen = freeze_in_local_llm(settings, procs, "stall-frozen", TEXT, env)
-    try:
+    with kept_frozen(settings, procs, frozen):
         # The sweeper meets the frozen claim's lock, then (after the idle limit) no claim.
         wait_for(lambda: "sweeper" in relay.log_text(), 30, "the sweeper to act on the job",
                  procs.logs)
@@ -55,24 +52,12 @@ def test_the_stall_backstop_racing_a_frozen_one_transaction_claim_doubles_nothin
         wait_for(lambda: _job(settings).get("status") == "succeeded", 120,
                  "the live worker to finish the job while the other is frozen", procs.logs,
                  every_s=1.0)
-        assert stopped(frozen.popen.pid), "the frozen worker was resumed early: inconclusive"
-    finally:
-        os.kill(frozen.popen.pid, signal.SIGCONT)
-    topics = [settings.topic(t) for t in ("job.chunks_ready", "job.llm_done", "job.validated")]
-    wait_for(lambda: group_lag(settings, settings.group("jobstream-streams"), topics) == 0, 90,
-             "the stage topics consumed and committed after the resume", procs.logs,
-             every_s=1.0)
     url = settings.database_url
     job = _job(settings)
     sweeper = [ln for ln in relay.log_text().splitlines() if "sweeper" in ln]
     print(f"sweeps={job['sweeps']}", *sweeper[:6], sep="\n")
     job_id = job["job_id"]
-    attempts = query(url, "SELECT chunk_idx, outcome, count(*) AS n FROM provider_attempt "
-                          "WHERE job_id = %s GROUP BY chunk_idx, outcome", (job_id,))
-    chunks = query(url, "SELECT idx FROM chunk WHERE job_id = %s ORDER BY idx", (job_id,))
-    assert len(chunks) > 1
-    assert sorted((a["chunk_idx"], a["outcome"], a["n"]) for a in attempts) == [
-        (c["idx"], "succeeded", 1) for c in chunks], attempts
+    assert_one_succeeded_attempt_per_chunk(url, job_id)
     for table in ("downstream.document_analysis", "downstream.ledger_charge"):
         assert query(url, f"SELECT count(*) AS n FROM {table}")[0]["n"] == 1, table
     ready = [m for m in read_topic(settings, settings.topic("job.ready"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from streams.offsets import CompletionTracker
 
 TP = ("job.chunks_ready", 0)
@@ -92,3 +94,44 @@ def test_a_real_gap_after_the_seek_back_lets_the_commit_go_on() -> None:
     t.done(TP, 11, t.received(TP, 11))  # the re-read starts at 11 again
     t.done(TP, 12, t.received(TP, 12))
     assert t.committable(TP) == 13 and t.take_rewind(TP) is None
+
+
+def test_an_offset_in_flight_too_long_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """The second stall shape (docs/design-notes.md "Stalled between stages"): an offset
+    taken whose run never finishes holds the commit; the tracker says so once, with the
+    offset, after ``stuck_after_s``, and again when it finishes."""
+    now = [0.0]
+    t = CompletionTracker(stuck_after_s=60, clock=lambda: now[0])
+    e = {o: t.received(TP, o) for o in (0, 1, 2)}
+    t.done(TP, 1, e[1])
+    t.done(TP, 2, e[2])
+    now[0] = 59.0
+    with caplog.at_level("WARNING", logger="jobstream.streams"):
+        assert t.committable(TP) == 0
+        assert not caplog.records
+        now[0] = 61.0
+        assert t.committable(TP) == 0
+        assert t.committable(TP) == 0
+    stuck = [r.getMessage() for r in caplog.records]
+    assert len(stuck) == 1 and "offset 0 of job.chunks_ready[0] has been in flight for 61 s" \
+        in stuck[0], stuck
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="jobstream.streams"):
+        t.done(TP, 0, e[0])
+        assert t.committable(TP) == 3
+    assert ["logged as stuck, finished" in r.getMessage() for r in caplog.records] == [True]
+
+
+def test_a_floor_never_received_too_long_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    t = CompletionTracker(stuck_after_s=60, clock=lambda: now[0])
+    t.sought(TP, 4)
+    e = t.received(TP, 6)  # 4 and 5 dropped unseen; the agent asks for one seek back
+    assert t.take_rewind(TP) == 4
+    t.done(TP, 6, e)
+    now[0] = 100.0
+    with caplog.at_level("WARNING", logger="jobstream.streams"):
+        assert t.committable(TP) == 4
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "offset 4 of job.chunks_ready[0] was sought to 100 s ago" \
+        in msgs[0], msgs

@@ -599,8 +599,11 @@ class OutboxRelay:
         producer = self._narrow_producer
         if producer is not None and self._narrow_batch <= want:
             return producer
-        if producer is not None:
-            producer.flush(60)
+        if producer is not None and producer.flush(60):
+            # Still undelivered after a minute: purged, their reports (failures) served now,
+            # so the rows are re-sent after the backoff rather than left in _pending.
+            producer.purge()
+            producer.flush(5)
         self._narrow_producer = producer = Producer(producer_config(self.settings, **{
             "client.id": "jobstream-relay-narrow", "partitioner": "murmur2_random",
             "linger.ms": self.settings.relay_linger_ms, "batch.size": want}))

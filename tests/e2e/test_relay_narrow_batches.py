@@ -64,3 +64,43 @@ def test_a_narrow_topic_is_batched_and_only_a_row_it_refuses_is_parked(
     assert len(parked) == 1 and parked[0]["reason_code"] == "undeliverable", parked
     assert relay.popen.poll() is None and "Traceback" not in relay.log_text(), procs.logs()
     assert "record batches of at most" in relay.log_text(), relay.log_text()[-2000:]
+
+
+def test_two_narrow_topics_of_different_limits_share_the_smaller_batches(
+        settings: Settings, procs: ProcessRunner) -> None:
+    """Rows of a 50,000-byte topic come first (the narrow producer is made for its limit),
+    then rows of both interleave with a 2,000-byte topic: the producer is replaced by one with
+    batches under 2,000 bytes after its rows were acknowledged. Each topic keeps its key's
+    order; only the rows each topic refuses are parked."""
+    url = settings.database_url
+    wide, tight = settings.topic("narrow.fifty"), settings.topic("narrow.two")
+    admin = AdminClient(base_config(settings))
+    for topic, limit in ((wide, 50_000), (tight, LIMIT)):
+        admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1, config={
+            "max.message.bytes": str(limit)})])[topic].result(30)
+        wait_for(lambda t=topic: t in admin.list_topics(timeout=10).topics, 30, "the topic")
+    # (topic, n, random bytes): 60,000 random bytes are over both limits, 3,000 over the
+    # 2,000-byte one only.
+    rows = [(wide, i, 60_000 if i == 7 else 3_000 if i % 5 == 0 else 60) for i in range(20)]
+    for i in range(20, 80):
+        rows.append((wide, i, 3_000 if i % 9 == 0 else 60))
+        rows.append((tight, i, 3_000 if i in (30, 31, 55) else 60))
+    with psycopg.connect(url) as conn, conn.transaction():
+        for topic, i, size in rows:
+            pad = base64.b64encode(os.urandom(size)).decode()
+            conn.execute(Q["outbox_insert"], (topic, "job-1", json.dumps(
+                {"n": i, "pad": pad}).encode(), Jsonb({"n": str(i)}), uuid.uuid4(), "test.row"))
+    # A 50 ms linger fills the batches (without it, how many rows share one depends on
+    # timing); at most 10 rows each (~2,500 bytes of the 2,000-byte topic's rows: over its
+    # limit unless batch.size stops them first), so several batches of a partition are in
+    # flight at once, the case where a refused one lets later ones overtake it.
+    relay = procs.start("relay", JOBSTREAM_RELAY_LINGER_MS="50",
+                        JOBSTREAM_KAFKA_EXTRA=json.dumps({"batch.num.messages": 10}))
+    wait_for(lambda: not query(url, "SELECT 1 FROM outbox WHERE published_at IS NULL"), 90,
+             "the outbox drained", procs.logs)
+    for topic, refused in ((wide, {7}), (tight, {30, 31, 55})):
+        got = [json.loads(m.value())["n"] for m in read_topic(settings, topic)]
+        want = [i for t, i, _ in rows if t == topic and i not in refused]
+        assert got == want, f"{topic}: lost, duplicated or reordered: {got}"
+    assert len(query(url, "SELECT 1 FROM dead_letter")) == 4
+    assert relay.popen.poll() is None and "Traceback" not in relay.log_text(), procs.logs()

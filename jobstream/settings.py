@@ -416,6 +416,14 @@ class Settings(BaseSettings):
                                "and a Postgres transaction per store call; one that broke "
                                "while in use fails its operation as retryable."
     )
+    db_prepare_threshold: int | None = Field(
+        0, ge=0, description="Executions of a statement on one pooled connection before "
+                             "psycopg prepares it server-side (psycopg's prepare_threshold; "
+                             "0: at once, None: never). psycopg's default, 5, had every new "
+                             "pooled connection parse and plan each stage statement five "
+                             "times before it was prepared (issue 12, bench/README.md "
+                             "\"Postgres and the broker per job\")."
+    )
     health_port: int = Field(
         0, ge=0, le=65535, description="Serve GET /healthz (readiness) on this port in worker, "
                                        "relay and consume-ready (0: off; the API uses its own).")

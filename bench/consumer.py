@@ -189,7 +189,8 @@ def run_plain(settings: Settings, topic: str, n: int, decode: bool) -> dict[str,
 
 
 def make_consumer(settings: Settings, *, dedup: bool, max_batch: int | None, handler: str,
-                  decode_ahead: bool, dedup_table: str = "digest") -> IdempotentConsumer:
+                  decode_ahead: bool, dedup_table: str = "digest",
+                  lanes: int | None = None) -> IdempotentConsumer:
     """The ready applier (``jobstream.ready_applier.build``'s handlers) in a fresh group;
     ``dedup=False``: the at-least-once baseline (no ``processed_event`` insert or check, every
     delivered message applied). ``dedup_table``: ``digest`` (the library's table in
@@ -200,6 +201,8 @@ def make_consumer(settings: Settings, *, dedup: bool, max_batch: int | None, han
     if dedup_table == "digest":  # the table of ConsumerSettings(db_schema=BENCH_SCHEMA)
         consumer._table = sql.Identifier(BENCH_SCHEMA, consumer.settings.table)
     consumer.settings = consumer.settings.model_copy(update={"decode_ahead": decode_ahead})
+    if lanes is not None:
+        consumer.settings = consumer.settings.model_copy(update={"apply_lanes": lanes})
     consumer.on(JobReady, topic=settings.topic("job.ready"))(apply_ready)
     if handler == "copy":  # what jobstream.ready_applier.build registers
         consumer.on_batch(JobReady, prepare=copy_rows)(apply_ready_rows)
@@ -238,12 +241,13 @@ def run_apply(settings: Settings, n: int, consumer: IdempotentConsumer) -> dict[
     message (this process, and the consumer's Postgres backend, sampled after each commit)."""
     timed = TimedConsumer(consumer._consumer)
     consumer._consumer = timed  # type: ignore[assignment]
-    backend: dict[str, float | None] = {"cpu_s": None}
+    backends: dict[int, float | None] = {}  # backend pid -> its CPU seconds (every lane's)
     after = consumer.hooks.after_apply
 
     def sample() -> None:
-        if consumer._conn is not None:
-            backend["cpu_s"] = backend_cpu_s(consumer._conn.info.backend_pid)
+        for conn in list(consumer._conns.values()):
+            pid = conn.info.backend_pid
+            backends[pid] = backend_cpu_s(pid)
         if after is not None:
             after()
 
@@ -264,7 +268,8 @@ def run_apply(settings: Settings, n: int, consumer: IdempotentConsumer) -> dict[
     if done < n or timed.first is None:
         raise RuntimeError(f"idempotent consumer handled {done} of {n} messages")
     el = timed.last_store - timed.first
-    pg = backend["cpu_s"]
+    pg = (None if not backends or None in backends.values()
+          else sum(v for v in backends.values() if v is not None))
     return {"events_per_s": round(n / el), "elapsed_s": round(el, 3), "applied": st.applied,
             "duplicates_skipped": st.duplicates, "dead_lettered": st.dead_lettered,
             "cpu_us_per_msg": {"consumer_process": round(cpu / n * 1e6, 1),
@@ -303,8 +308,11 @@ def scenario(base: Settings, n: int, dup_pct: float, args: Any) -> dict[str, Any
     dec = run_plain(s, topic, n, decode=True)
     log(f"dups {dup_pct}%: decode {dec['events_per_s']}/s")
     kw = {"max_batch": args.max_batch, "handler": args.handler,
-          "decode_ahead": not args.no_decode_ahead, "dedup_table": args.dedup_table}
+          "decode_ahead": not args.no_decode_ahead, "dedup_table": args.dedup_table,
+          "lanes": args.lanes}
     alo_runs, idem_runs, ok = [], [], True
+    compare = [int(x) for x in (args.compare_lanes or "").split(",") if x.strip()]
+    by_lanes: dict[int, list[dict[str, Any]]] = {lanes: [] for lanes in compare}
     effects: dict[str, int] = {}
     for r in range(args.rounds):
         reset_effects(s.database_url)
@@ -317,6 +325,17 @@ def scenario(base: Settings, n: int, dup_pct: float, args: Any) -> dict[str, Any
         ok = ok and (effects["analysis_rows"] == effects["analysis_keys"] == produced["unique"]
                      == effects["charge_rows"] == effects["charge_keys"]
                      == idem_runs[-1]["applied"])
+        # the same idempotent apply with each lane count; the order rotates every round
+        for lanes in compare[r % len(compare):] + compare[:r % len(compare)] if compare else []:
+            reset_effects(s.database_url)
+            run = run_apply(s, n, make_consumer(s, dedup=True, **{**kw, "lanes": lanes}))
+            by_lanes[lanes].append(run)
+            log(f"dups {dup_pct}%: round {r + 1}: idempotent, {lanes} lane(s) "
+                f"{run['events_per_s']}/s")
+            effects = count_effects(s.database_url, tenant)
+            ok = ok and (effects["analysis_rows"] == effects["analysis_keys"]
+                         == produced["unique"] == effects["charge_rows"]
+                         == effects["charge_keys"] == run["applied"])
     alo = max(alo_runs, key=lambda x: x["events_per_s"])
     idem = max(idem_runs, key=lambda x: x["events_per_s"])
     return {"dup_pct": dup_pct, "loadavg_1_5_15_at_end": list(os.getloadavg()), **produced,
@@ -334,7 +353,29 @@ def scenario(base: Settings, n: int, dup_pct: float, args: Any) -> dict[str, Any
                 idem["events_per_s"] / alo["events_per_s"], 3),
             "cpu_us_per_msg_consumer_plus_postgres": {
                 "at_least_once": cpu_total(alo), "idempotent": cpu_total(idem)},
-            "effects": effects, "exactly_once_ok": ok}
+            "effects": effects, "exactly_once_ok": ok,
+            **({"compare_lanes": compare_lanes(by_lanes)} if compare else {})}
+
+
+def compare_lanes(by_lanes: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
+    """``--compare-lanes``: per lane count, each round's idempotent rate and CPU per message
+    (consumer process + every lane's Postgres backend), their medians, and in how many rounds
+    each lane count was the fastest (the runs alternate within a round: load drifts less
+    between them than between two bench processes)."""
+    import statistics
+    out: dict[str, Any] = {}
+    for lanes, runs in by_lanes.items():
+        rates = [x["events_per_s"] for x in runs]
+        cpus = [cpu_total(x) for x in runs]
+        out[str(lanes)] = {"events_per_s": rates, "median_events_per_s": statistics.median(rates),
+                           "cpu_us_per_msg": cpus,
+                           "postgres_us_per_msg": [x["cpu_us_per_msg"]["postgres_backend"]
+                                                   for x in runs]}
+    rounds = zip(*[[x["events_per_s"] for x in runs] for runs in by_lanes.values()],
+                 strict=True)
+    wins = [list(by_lanes)[max(range(len(r)), key=r.__getitem__)] for r in rounds]
+    out["fastest_in_rounds"] = {str(lanes): wins.count(lanes) for lanes in by_lanes}
+    return out
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -379,6 +420,13 @@ def main() -> None:
                    help="the idempotent apply's dedup table: the library's (schema "
                         "consumer_bench; default) or jobstream's own processed_event (both "
                         "keyed by the 16-byte key_digest since migration 0026)")
+    p.add_argument("--lanes", type=int,
+                   help="override ConsumerSettings.apply_lanes (Postgres connections applying "
+                        "the partitions of a batch concurrently; 1 = one transaction per "
+                        "batch; default: the setting's default)")
+    p.add_argument("--compare-lanes", metavar="N,M",
+                   help="also run the idempotent apply with each of these apply_lanes values "
+                        "in every round, alternated (e.g. 1,2), and report them side by side")
     p.add_argument("--rounds", type=int, default=3,
                    help="alternate the at-least-once and idempotent runs this many times; "
                         "the best of each is reported")

@@ -29,6 +29,8 @@ Reported:
   ``postgres_bench_db`` counts only the backends connected to the run's database;
 * ``statements_per_job`` (when the server preloads ``pg_stat_statements``): per statement of
   the run's database, calls, rows and execution milliseconds per job of the burst;
+* ``postgres_per_job``: WAL bytes per job (server-wide), per table rows inserted / updated /
+  HOT-updated / deleted per job and per index its scans per job (:func:`table_counters`);
 * with ``--profile DIR``: ``py-spy`` samples of ``worker0`` and the relay during the burst,
   written to ``DIR`` (collapsed stacks) with a summary of the hottest functions in the JSON;
 * ``targets_met``: the targets of issue 12 for this run (jobs/s with 2 workers, whole-machine
@@ -193,6 +195,36 @@ def shared_cpu_delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def kafka_requests(pids: dict[str, int], bootstrap: str) -> dict[str, tuple[int, int]]:
+    """Per process name, the TCP data segments and bytes it has sent to the broker(s) of
+    ``bootstrap`` so far over its open sockets (``ss -tinp``; ~one segment per Kafka request:
+    produce, fetch, offset commit, heartbeat, metadata). Sockets closed meanwhile are not
+    counted (a lower bound); {} without ``ss``."""
+    ports = {h.rsplit(":", 1)[1] for h in bootstrap.split(",") if ":" in h}
+    try:
+        out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True,
+                             timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    by_pid = {pid: name for name, pid in pids.items()}
+    totals: dict[str, tuple[int, int]] = {name: (0, 0) for name in pids}
+    lines = out.splitlines()
+    for head, info in zip(lines, lines[1:], strict=False):
+        cols = head.split()
+        if head[:1].isspace() or len(cols) < 5 or cols[4].rsplit(":", 1)[-1] not in ports:
+            continue
+        m = re.search(r"pid=(\d+)", head)
+        name = by_pid.get(int(m.group(1))) if m else None
+        if name is None:
+            continue
+        segs = re.search(r"data_segs_out:(\d+)", info)
+        sent = re.search(r"bytes_sent:(\d+)", info)
+        n, b = totals[name]
+        totals[name] = (n + int(segs.group(1)) if segs else n,
+                        b + int(sent.group(1)) if sent else b)
+    return totals
+
+
 def bench_db_backends(url: str) -> list[int]:
     """Pids of the Postgres backends connected to the run's database (our processes' pools)."""
     with connect(url, autocommit=True) as conn:
@@ -215,6 +247,43 @@ def statements_available(url: str) -> bool:
     return True
 
 
+def table_counters(url: str) -> dict[str, Any]:
+    """Cumulative counters of the run's database (a :func:`table_counters_per_job` reading
+    subtracts two): the server's WAL position (bytes; server-wide), per table the rows
+    inserted / updated / HOT-updated / deleted, per index its scans."""
+    with connect(url, autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        lsn = conn.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn AS b").fetchone()
+        tables = conn.execute(
+            "SELECT schemaname || '.' || relname AS t, n_tup_ins, n_tup_upd, n_tup_hot_upd, "
+            "n_tup_del FROM pg_stat_user_tables").fetchall()
+        indexes = conn.execute(
+            "SELECT schemaname || '.' || indexrelname AS i, idx_scan "
+            "FROM pg_stat_user_indexes").fetchall()
+    assert lsn is not None
+    return {"wal": int(lsn["b"]),
+            "tables": {r["t"]: (r["n_tup_ins"], r["n_tup_upd"], r["n_tup_hot_upd"],
+                                r["n_tup_del"]) for r in tables},
+            "indexes": {r["i"]: r["idx_scan"] for r in indexes}}
+
+
+def table_counters_per_job(a: dict[str, Any], b: dict[str, Any], jobs: int) -> dict[str, Any]:
+    """Per job of the burst between two :func:`table_counters` readings: WAL bytes
+    (server-wide: other databases' writes count too), per table rows inserted / updated /
+    of those HOT (no index entry written) / deleted, and the indexes no statement scanned."""
+    tables = {}
+    for t, (ins, upd, hot, dele) in b["tables"].items():
+        i0, u0, h0, d0 = a["tables"].get(t, (0, 0, 0, 0))
+        if (ins - i0) or (upd - u0) or (dele - d0):
+            tables[t] = {"ins": round((ins - i0) / jobs, 2), "upd": round((upd - u0) / jobs, 2),
+                         "hot_upd": round((hot - h0) / jobs, 2),
+                         "del": round((dele - d0) / jobs, 2)}
+    return {"wal_bytes_per_job": round((b["wal"] - a["wal"]) / jobs),
+            "rows_per_job": tables,
+            "indexes_scanned_per_job": {i: round((n - a["indexes"].get(i, 0)) / jobs, 2)
+                                        for i, n in sorted(b["indexes"].items())}}
+
+
 def statements_per_job(url: str, jobs: int, top: int = 60) -> dict[str, Any]:
     """The run database's statements since the reset: the totals per job and the ``top``
     most called statements: calls, rows and execution milliseconds per job (``jobs`` = the
@@ -226,7 +295,9 @@ def statements_per_job(url: str, jobs: int, top: int = 60) -> dict[str, Any]:
             "JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = current_database()"
         ).fetchone()
         rows = conn.execute(
-            "SELECT calls, rows, total_exec_time AS ms, query FROM pg_stat_statements s "
+            "SELECT calls, rows, total_exec_time AS ms, total_plan_time AS plan_ms, plans, "
+            "wal_bytes, shared_blks_hit + shared_blks_read AS blks, query "
+            "FROM pg_stat_statements s "
             "JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = current_database() "
             "ORDER BY calls DESC LIMIT %s", (top,)).fetchall()
     assert total is not None
@@ -235,6 +306,11 @@ def statements_per_job(url: str, jobs: int, top: int = 60) -> dict[str, Any]:
             "statements": [{"calls_per_job": round(r["calls"] / jobs, 2),
                             "rows_per_job": round(r["rows"] / jobs, 2),
                             "exec_ms_per_job": round(float(r["ms"]) / jobs, 3),
+                            "plan_ms_per_job": round(float(r["plan_ms"]) / jobs, 3),
+                            "plans_per_job": round(r["plans"] / jobs, 2),
+                            "wal_bytes_per_call": round(float(r["wal_bytes"])
+                                                        / max(1, r["calls"])),
+                            "blocks_per_call": round(float(r["blks"]) / max(1, r["calls"]), 1),
                             "query": " ".join(str(r["query"]).split())[:160]} for r in rows]}
 
 
@@ -407,12 +483,18 @@ def run_workers(args: Any, workers: int, relays: int = 1) -> dict[str, Any]:
             cpu0 = {k: cpu_seconds(p.pid) for k, p in procs.items()}
             shared0 = shared_cpu_seconds()
             x0 = xact_commits(s.database_url)
+            tc0 = table_counters(s.database_url)
+            kr0 = kafka_requests({k: p.pid for k, p in procs.items()},
+                                 s.kafka_bootstrap_servers)
             log(f"{workers} worker(s): submitting {args.jobs} documents")
             t0 = time.time()
             submit(s, docs, producer=None if args.cold_producer else producer)
             submit_s = time.time() - t0
             wait_applied(s.database_url, tenant, args.jobs, args.timeout)
             x1 = xact_commits(s.database_url)
+            tc1 = table_counters(s.database_url)
+            kr1 = kafka_requests({k: p.pid for k, p in procs.items()},
+                                 s.kafka_bootstrap_servers)
             cpu1 = {k: cpu_seconds(p.pid) for k, p in procs.items()}
             shared1 = shared_cpu_seconds()
             pg_pids = bench_db_backends(s.database_url)
@@ -481,6 +563,11 @@ def run_workers(args: Any, workers: int, relays: int = 1) -> dict[str, Any]:
                                        "the run's database (not the WAL writer, checkpointer)"},
         },
         "statements_per_job": statements,
+        "postgres_per_job": table_counters_per_job(tc0, tc1, n),
+        "kafka_requests_per_job": {
+            k: {"segments": round((kr1[k][0] - kr0.get(k, (0, 0))[0]) / n, 2),
+                "kb_sent": round((kr1[k][1] - kr0.get(k, (0, 0))[1]) / n / 1000, 2)}
+            for k in kr1},
         "profiles": profiles or None,
         "logs": str(logdir),
     }

@@ -34,6 +34,21 @@ Postgres (it only reads message values: the Kafka consumer and Postgres stay in 
 computes its dedup-key digests and runs the batch handler's ``prepare`` on each event (e.g.
 the ready applier's binary COPY rows, :meth:`IdempotentConsumer.on_batch`).
 
+Apply lanes (``settings.apply_lanes``, 2 by default): a fetched batch of at least
+``settings.apply_lanes_min_batch`` messages (200) is split by partition
+(``partition % apply_lanes``) and its parts are applied at the same time, each in its own
+transaction on its own Postgres connection (the ``run()`` thread is lane 0, the others are
+helper threads), so one part's Python work runs while another waits on Postgres. Everything
+above holds per part (dedup insert, handler, split on refusal, dead letters); a partition's
+messages are always in one part, and the next batch starts only when every part is
+committed, so per-partition order is kept. Only the ``run()`` thread touches the Kafka
+consumer: a helper lane hands back the messages it applied, and their offsets are stored
+(after ``after_apply``) once its part is committed; an offset of a partition revoked
+meanwhile is not stored. The same dedup key in two parts at once (copies on two partitions)
+is decided by the ``processed_event`` insert: one part waits for the other's row and skips
+it. Hooks other than ``after_apply`` (``in_transaction``, ``on_applied``, ...) run in the
+lane's thread. ``apply_lanes=1`` applies each batch in one transaction, as before.
+
 Examples
 --------
 >>> from consumers import ConsumerSettings, IdempotentConsumer
@@ -52,6 +67,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import itertools
 import logging
 import signal
 import sys
@@ -237,7 +253,13 @@ class IdempotentConsumer:
                                   dlq_headroom_bytes=settings.dlq_headroom_bytes, table=dl)
         self._sink = sink
         self._failures = FailureCounter()
-        self._conn: psycopg.Connection[DictRow] | None = None
+        # Apply lanes (settings.apply_lanes): lane -> its connection. The calling thread of
+        # run() is lane 0; each helper thread learns its lane number at start (_lane.n).
+        self._conns: dict[int, psycopg.Connection[DictRow]] = {}
+        self._lane = threading.local()
+        self._lane_numbers = itertools.count(1)
+        # stats and the dead-letter sink are shared by the lanes
+        self._shared_lock = threading.Lock()
         self._headers: dict[tuple[Any, Any, Any], list[tuple[str, bytes | None]]] = {}
         # (topic, partition, offset) -> the event or the PoisonMessage its decoding raised,
         # for the batch being applied (filled by the decode-ahead thread), and -> what its
@@ -246,6 +268,19 @@ class IdempotentConsumer:
         self._prepared: dict[tuple[Any, Any, Any], Any] = {}
         # (dedup_key, event_type) -> its key_digest, computed by the decode-ahead thread.
         self._digests: dict[tuple[str, str], bytes] = {}
+
+    @property
+    def _conn(self) -> psycopg.Connection[DictRow] | None:
+        """The connection of the calling thread's apply lane (None until opened)."""
+        return self._conns.get(getattr(self._lane, "n", 0))
+
+    @_conn.setter
+    def _conn(self, conn: psycopg.Connection[DictRow] | None) -> None:
+        lane = getattr(self._lane, "n", 0)
+        if conn is None:
+            self._conns.pop(lane, None)
+        else:
+            self._conns[lane] = conn
 
     # -- registration -------------------------------------------------------------------
 
@@ -424,19 +459,21 @@ class IdempotentConsumer:
                 # the batch's locks: the partitions' next owner does not wait for it.
                 ms = int(self.settings.transaction_idle_timeout_s * 1000)
                 options = psycopg.conninfo.conninfo_to_dict(self.settings.dsn).get("options")
-                self._conn = psycopg.connect(
+                conn = self._conn = psycopg.connect(
                     self.settings.dsn, row_factory=dict_row, connect_timeout=10,
                     options=f"{options or ''} -c idle_in_transaction_session_timeout={ms}")
             except psycopg.OperationalError as exc:
                 _call(self.hooks.db_failed, exc)
                 raise
             try:
-                self._key_digest = has_key_digest(self._conn, self._table)
-                self._conn.commit()
+                self._key_digest = has_key_digest(conn, self._table)
+                conn.commit()
             except psycopg.Error:
-                self._conn.close()
+                conn.close()
+                self._conn = None
                 raise
             _call(self.hooks.db_ok)
+            return conn
         return self._conn
 
     def db_probe(self) -> None:
@@ -450,10 +487,12 @@ class IdempotentConsumer:
     def _dead_letter(self, msg: Message, code: str, reason: str) -> None:
         """Make the dead letter durable (``<topic>.dlq``, else the dead_letter table). Raises
         :class:`RetryableError` when neither took it: the offset must not be stored."""
-        self._sink.send(topic=msg.topic() or "", partition=msg.partition() or 0,
-                        offset=msg.offset() or 0, key=msg.key(), value=msg.value(),
-                        headers=self.headers(msg), code=code, reason=reason)
-        self.stats.dead_lettered += 1
+        headers = self.headers(msg)
+        with self._shared_lock:  # one sink for every apply lane
+            self._sink.send(topic=msg.topic() or "", partition=msg.partition() or 0,
+                            offset=msg.offset() or 0, key=msg.key(), value=msg.value(),
+                            headers=headers, code=code, reason=reason)
+            self.stats.dead_lettered += 1
         _call(self.hooks.on_dead_lettered, code, reason)
 
     def _decode(self, msg: Message) -> Any:
@@ -503,7 +542,8 @@ class IdempotentConsumer:
             with conn.transaction():
                 row = self._record(conn, event)
                 if row is None:
-                    self.stats.duplicates += 1
+                    with self._shared_lock:
+                        self.stats.duplicates += 1
                     _call(self.hooks.on_duplicate, event)
                     return "duplicate"
                 self._handlers[event.event_type](conn, event)
@@ -511,7 +551,8 @@ class IdempotentConsumer:
         except (PoisonMessage, *REFUSED_DATA) as exc:
             self._dead_letter(msg, classify(exc)[1], describe(exc))
             return "dead_lettered"
-        self.stats.applied += 1
+        with self._shared_lock:
+            self.stats.applied += 1
         _call(self.hooks.on_applied, event)
         return "applied"
 
@@ -562,8 +603,9 @@ class IdempotentConsumer:
         for i, bad in poison:
             self._dead_letter(msgs[i], bad.code, str(bad))
             outcomes[i] = "dead_lettered"
-        self.stats.applied += outcomes.count("applied")
-        self.stats.duplicates += outcomes.count("duplicate")
+        with self._shared_lock:
+            self.stats.applied += outcomes.count("applied")
+            self.stats.duplicates += outcomes.count("duplicate")
         for ev in applied:
             _call(self.hooks.on_applied, ev)
         for i, ev in seen:
@@ -686,13 +728,18 @@ class IdempotentConsumer:
             self._stop.wait(1.0)
             return False
 
-    def _one_by_one(self, msgs: list[Message]) -> bool:
-        """The per-message path: settle, then store the offset, message after message."""
+    def _one_by_one(self, msgs: list[Message],
+                    store: Callable[[Message], None] | None = None) -> bool:
+        """The per-message path: settle, then store the offset, message after message
+        (``store``: see :meth:`_apply`)."""
         for msg in msgs:
             if not self._settle(msg):
                 return False  # stopping: the offset of the unprocessed message is not stored
-            _call(self.hooks.after_apply)
-            self._store_offset(msg)
+            if store is None:
+                _call(self.hooks.after_apply)
+                self._store_offset(msg)
+            else:
+                store(msg)
         return True
 
     def _store_offset(self, msg: Message) -> None:
@@ -708,10 +755,65 @@ class IdempotentConsumer:
                      "re-delivers it as a duplicate)", msg.topic(), msg.partition(),
                      msg.offset())
 
-    def _apply(self, msgs: list[Message]) -> bool:
-        """Apply a batch and store its offsets; False when stopped before the end."""
+    def _apply_lanes(self, msgs: list[Message], lanes: ThreadPoolExecutor | None) -> bool:
+        """Apply a fetched batch and store its offsets; False when stopped before the end.
+
+        With ``lanes`` (``settings.apply_lanes`` > 1) a batch of at least
+        ``settings.apply_lanes_min_batch`` messages is split by partition
+        (``partition % apply_lanes``): the first part is applied in this thread, the others
+        at the same time by the lane threads, each on its own connection, in its own
+        transaction. Every part is finished (committed, or stopped) before this returns, so
+        the next batch of a partition never overtakes this one. The lane threads do not touch
+        the Kafka consumer: the messages they applied come back here, and their offsets are
+        stored (after the ``after_apply`` hook) only once their part is committed."""
+        if lanes is None or len(msgs) < max(2, self.settings.apply_lanes_min_batch):
+            return self._apply(msgs)
+        n = self.settings.apply_lanes
+        parts: dict[int, list[Message]] = {}
+        for m in msgs:
+            parts.setdefault((m.partition() or 0) % n, []).append(m)
+        if len(parts) < 2:
+            return self._apply(msgs)
+        mine, *others = parts.values()
+        futures = [lanes.submit(self._apply_part, part) for part in others]
+        try:
+            ok = self._apply(mine)
+        finally:
+            # wait for every part, whatever happened here: a lane still in its transaction
+            # must not be overtaken by the next batch of its partitions
+            done = [f.exception() or f.result() for f in futures]
+        for got in done:
+            if isinstance(got, BaseException):
+                raise got
+            part_ok, applied = got
+            if applied:
+                _call(self.hooks.after_apply)
+                last: dict[tuple[str, int], Message] = {}
+                for m in applied:
+                    last[(m.topic() or "", m.partition() or 0)] = m
+                for m in last.values():
+                    self._store_offset(m)
+            ok = ok and part_ok
+        return ok
+
+    def _apply_part(self, msgs: list[Message]) -> tuple[bool, list[Message]]:
+        """A lane thread's part of a batch: :meth:`_apply` with the offsets collected, not
+        stored (the caller stores them: the Kafka consumer stays in one thread). Returns
+        (finished, the messages applied, duplicates or dead-lettered, in order)."""
+        applied: list[Message] = []
+        return self._apply(msgs, applied.append), applied
+
+    def _lane_start(self) -> None:
+        """Initializer of a lane thread: its lane number (its own connection)."""
+        self._lane.n = next(self._lane_numbers)
+
+    def _apply(self, msgs: list[Message],
+               store: Callable[[Message], None] | None = None) -> bool:
+        """Apply a batch and store its offsets; False when stopped before the end. With
+        ``store`` (a lane thread), each message applied is passed to it instead: no hook, no
+        offset stored here."""
         if len(msgs) == 1:
-            return self._one_by_one(msgs)
+            return self._one_by_one(msgs, store)
         while not self._stop.is_set():
             try:
                 self.process_batch(msgs)
@@ -724,8 +826,9 @@ class IdempotentConsumer:
                              f"two batches of {half} and {len(msgs) - half}" if len(msgs) > 8
                              else "one message per transaction")
                     if len(msgs) <= 8:
-                        return self._one_by_one(msgs)
-                    return self._apply(msgs[:half]) and self._apply(msgs[half:])
+                        return self._one_by_one(msgs, store)
+                    return (self._apply(msgs[:half], store)
+                            and self._apply(msgs[half:], store))
                 _call(self.hooks.db_failed, exc)
                 log.debug("batch failed (%s); retrying", exc)
                 if self._conn is not None:
@@ -733,6 +836,10 @@ class IdempotentConsumer:
                     self._conn = None
                 self._stop.wait(0.5)
                 continue
+            if store is not None:
+                for m in msgs:
+                    store(m)
+                return True
             _call(self.hooks.after_apply)
             last: dict[tuple[str, int], Message] = {}
             for m in msgs:
@@ -818,6 +925,9 @@ class IdempotentConsumer:
         ahead = self.settings.decode_ahead and self.max_batch > 1
         decoder = (ThreadPoolExecutor(1, thread_name_prefix=f"decode-{self.group}")
                    if ahead else None)
+        lanes = (ThreadPoolExecutor(self.settings.apply_lanes - 1, initializer=self._lane_start,
+                                    thread_name_prefix=f"apply-{self.group}")
+                 if self.settings.apply_lanes > 1 and self.max_batch > 1 else None)
         pending: tuple[list[Message], Future[Any]] | None = None  # fetched, being decoded
         thresholds = gc.get_threshold()
         switch = sys.getswitchinterval()
@@ -852,7 +962,7 @@ class IdempotentConsumer:
                     continue
                 self._predecoded, self._prepared, self._digests = current[1]
                 try:
-                    ok = self._apply(current[0])
+                    ok = self._apply_lanes(current[0], lanes)
                 finally:
                     self._predecoded, self._prepared, self._digests = {}, {}, {}
                     self._headers.clear()
@@ -865,10 +975,13 @@ class IdempotentConsumer:
                 gc.unfreeze()
             if decoder is not None:
                 decoder.shutdown(wait=True, cancel_futures=True)
+            if lanes is not None:
+                lanes.shutdown(wait=True)
             self._consumer.close()  # commits the stored offsets
             self._sink.close()
-            if self._conn is not None:
-                self._conn.close()
+            for conn in list(self._conns.values()):
+                conn.close()
+            self._conns.clear()
         return self.stats
 
     def run_forever(self) -> ConsumerStats:

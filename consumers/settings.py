@@ -39,6 +39,20 @@ class ConsumerSettings(BaseSettings):
                                    description="Name of the dead-letter fallback table.")
     topic_prefix: str = Field("", description="Prefix of every topic name (e.g. per tenant).")
     batch_size: int = Field(2000, ge=1, description="Most messages applied in one transaction.")
+    apply_lanes: int = Field(
+        2, ge=1, le=16,
+        description="Postgres connections applying one fetched batch: its messages are split "
+                    "by partition (partition % apply_lanes) and the parts are applied "
+                    "concurrently, each in its own transaction on its own connection, so one "
+                    "part's Python work runs while another waits on Postgres. A partition's "
+                    "messages always stay in one part (per-partition order kept); the next "
+                    "batch starts when every part is committed; offsets are stored only after "
+                    "their part's commit. 1 = the whole batch in one transaction.")
+    apply_lanes_min_batch: int = Field(
+        200, ge=2,
+        description="Smallest fetched batch split into apply lanes (messages): a smaller one "
+                    "(a live stream with little lag) is applied in one transaction, so it "
+                    "does not pay an extra commit to overlap a short wait.")
     decode_ahead: bool = Field(True, description="Fetch and decode the next batch in a second "
                                                  "thread while one is applied in Postgres.")
     gc_tuning: bool = Field(True, description="While run() runs: gc.freeze() the objects alive "

@@ -245,8 +245,9 @@ class Settings(BaseSettings):
     relay_topic_limit_refresh_s: float = Field(
         60.0, gt=0, description="Relay: a topic's max.message.bytes, once known, is asked "
                                 "again after this long (seconds): a topic whose limit was "
-                                "lowered below the producer's goes one row at a time from "
-                                "then on (per-key order when the broker refuses a large row).")
+                                "lowered below the producer's goes in record batches under "
+                                "its limit from then on, a larger row alone (per-key order "
+                                "when the broker refuses a large row).")
     relay_missing_topic_park_s: float = Field(
         300.0, ge=0, description="Relay: rows for a topic the broker says does not exist (never "
                                  "created, or deleted) are retried this long after the relay "
@@ -414,6 +415,14 @@ class Settings(BaseSettings):
                                "within milliseconds: checking each would cost a round trip "
                                "and a Postgres transaction per store call; one that broke "
                                "while in use fails its operation as retryable."
+    )
+    db_prepare_threshold: int | None = Field(
+        0, ge=0, description="Executions of a statement on one pooled connection before "
+                             "psycopg prepares it server-side (psycopg's prepare_threshold; "
+                             "0: at once, None: never). psycopg's default, 5, had every new "
+                             "pooled connection parse and plan each stage statement five "
+                             "times before it was prepared (issue 12, bench/README.md "
+                             "\"Postgres and the broker per job\")."
     )
     health_port: int = Field(
         0, ge=0, le=65535, description="Serve GET /healthz (readiness) on this port in worker, "

@@ -287,13 +287,16 @@ class Store:
 
     def __init__(self, url: str, *, max_size: int = 8, min_size: int = 0,
                  max_idle_s: float = 30.0, timeout_s: float = 30.0,
-                 name: str = "jobstream", check_idle_s: float = 1.0) -> None:
+                 name: str = "jobstream", check_idle_s: float = 1.0,
+                 prepare_threshold: int | None = 0) -> None:
         """A pool of at most ``max_size`` connections (``min_size`` kept open; one idle for
         ``max_idle_s`` seconds is closed, so an idle process gives its connections back);
         callers wait up to ``timeout_s`` seconds for one. ``name`` is the connections'
         ``application_name`` (pg_stat_activity shows who holds what). A connection idle for
         more than ``check_idle_s`` seconds is checked (an empty query) before it is handed
-        out; one reused sooner is not (see ``db_pool_check_idle_s``)."""
+        out; one reused sooner is not (see ``db_pool_check_idle_s``). A statement is
+        prepared on a connection after ``prepare_threshold`` executions on it (0: at once;
+        None: never; ``db_prepare_threshold``)."""
         self.url = url
         self.timeout_s = timeout_s
         self.check_idle_s = check_idle_s
@@ -301,7 +304,8 @@ class Store:
         self.pool: ConnectionPool[Conn] = ConnectionPool(
             url, min_size=min_size, max_size=max_size, connection_class=Conn,
             max_idle=max_idle_s, open=True,
-            kwargs={"row_factory": dict_row, "connect_timeout": 10, "application_name": name},
+            kwargs={"row_factory": dict_row, "connect_timeout": 10, "application_name": name,
+                    "prepare_threshold": prepare_threshold},
             check=self._check)
 
     def _check(self, conn: Conn) -> None:
@@ -316,7 +320,8 @@ class Store:
         return cls(settings.database_url, max_size=max_size,
                    min_size=min(settings.db_pool_min_size, max_size),
                    max_idle_s=settings.db_pool_max_idle_s, timeout_s=settings.db_pool_timeout_s,
-                   name=f"jobstream-{process}", check_idle_s=settings.db_pool_check_idle_s)
+                   name=f"jobstream-{process}", check_idle_s=settings.db_pool_check_idle_s,
+                   prepare_threshold=settings.db_prepare_threshold)
 
     @contextmanager
     def connection(self) -> Iterator[Conn]:

@@ -15,7 +15,7 @@ import pytest
 
 from consumers.idempotent import IdempotentConsumer
 from jobstream.errors import PoisonMessage
-from jobstream.producer import produce_raw
+from jobstream.producer import produce_raw, submit_producer
 from jobstream.ready_applier import apply_ready, apply_ready_batch, build, idempotent_consumer
 from jobstream.settings import Settings
 from schemas.events import DocumentAnalysis, JobReady, JobReadyPayload, encode_event
@@ -177,3 +177,59 @@ def test_killed_after_the_batch_commit_before_offsets_applies_nothing_twice(
     wait_for(lambda: len(_applied(settings, "acme")) == 50, 60, "all 50 applied", procs.logs)
     time.sleep(2)  # every redelivered copy has been seen by now
     assert set(_applied(settings, "acme").values()) == {1}
+
+
+def test_copies_on_two_partitions_applied_by_two_lanes_at_once_apply_once(
+        settings: Settings) -> None:
+    """Each event twice, on partitions 0 and 1 (``apply_lanes`` 2: lane 0 is the run()
+    thread, lane 1 a helper thread with its own connection): a batch's two parts insert the
+    same keys in two transactions at once; the processed_event insert decides, each event is
+    applied once, and both lanes did apply parts of a batch. The copies are produced while the
+    consumer is held inside the transaction of a first event (its ``in_transaction`` hook), so
+    the client has fetched both partitions' backlog when the next batch is taken."""
+    consumer = build(settings)
+    consumer.settings = consumer.settings.model_copy(update={"apply_lanes": 2,
+                                                             "apply_lanes_min_batch": 2})
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        if not held.is_set():
+            held.set()
+            release.wait(30)
+
+    consumer.hooks.in_transaction = hold
+    callers: set[str] = set()
+    batch = consumer.process_batch
+    consumer.process_batch = lambda msgs: (  # type: ignore[method-assign]
+        callers.add(threading.current_thread().name), batch(msgs))[1]
+    t = threading.Thread(target=consumer.run, daemon=True)
+    t.start()
+    producer = submit_producer(settings)
+    topic = settings.topic("job.ready")
+    producer.produce(topic, key=b"k", value=encode_event(_ready("acme", "first")), partition=2)
+    producer.produce(topic, key=b"k", value=encode_event(_ready("acme", "second")), partition=2)
+    assert producer.flush(30) == 0
+    wait_for(held.is_set, 60, "the first batch inside its transaction")
+    events = [_ready("acme", f"x{i}") for i in range(40)]
+    for ev in events:
+        for partition in (0, 1):
+            producer.produce(topic, key=b"k", value=encode_event(ev), partition=partition)
+    assert producer.flush(30) == 0
+    time.sleep(2)  # the client prefetches both partitions meanwhile
+    release.set()
+    st = consumer.stats
+    wait_for(lambda: st.applied + st.duplicates >= 82, 60, f"every copy handled (stats {st})")
+    time.sleep(0.5)
+    consumer.stop()
+    t.join(30)
+    expected = {f"x{i}": 1 for i in range(40)} | {"first": 1, "second": 1}
+    assert _applied(settings, "acme") == expected
+    assert (st.applied, st.duplicates, st.dead_lettered) == (42, 40, 0)
+    assert any(c.startswith("apply-") for c in callers), callers  # a lane thread applied
+    assert any(not c.startswith("apply-") for c in callers), callers  # and run()'s thread
+    processed = query(settings.database_url, "SELECT count(*) AS n FROM processed_event")
+    assert processed[0]["n"] == 42
+    # A second run of the same group has nothing left: both lanes' offsets were committed.
+    again = build(settings)
+    again.run(idle_exit_s=8)
+    assert (again.stats.applied, again.stats.duplicates) == (0, 0)

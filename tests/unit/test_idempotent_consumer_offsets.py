@@ -78,3 +78,46 @@ def test_a_single_message_takes_the_per_message_path(monkeypatch: Any) -> None:
     monkeypatch.setattr(c, "process", lambda m: "applied")
     assert c._one_by_one([Msg(3, 9), Msg(4, 2)]) is True  # type: ignore[list-item]
     assert fake.stored == [(4, 2)]
+
+
+def test_apply_lanes_split_by_partition_and_store_every_offset_from_the_run_thread() -> None:
+    """``apply_lanes`` 2: a batch's parts hold one lane's partitions each, in delivery order;
+    the lane thread applies its part, and only the calling (run) thread stores offsets: the
+    lane's after its part was applied, after the ``after_apply`` hook; a revoked partition's
+    offset is skipped."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    events: list[tuple[str, Any]] = []
+    fake = FakeConsumer(revoked={3})
+    store = fake.store_offsets
+
+    def store_offsets(*, message: Msg) -> None:
+        events.append(("store", (threading.current_thread().name, message.partition())))
+        store(message=message)
+
+    fake.store_offsets = store_offsets  # type: ignore[method-assign]
+    c = _consumer(fake)
+    c.settings = c.settings.model_copy(update={"apply_lanes": 2, "apply_lanes_min_batch": 2})
+    parts: list[tuple[str, list[tuple[int, int]]]] = []
+
+    def process_batch(msgs: list[Msg]) -> list[str]:
+        parts.append((threading.current_thread().name, [(m.p, m.off) for m in msgs]))
+        events.append(("applied", threading.current_thread().name))
+        return ["applied"] * len(msgs)
+
+    c.process_batch = process_batch  # type: ignore[assignment]
+    c.hooks.after_apply = lambda: events.append(("after_apply", None))
+    msgs = [Msg(0, 1), Msg(1, 1), Msg(2, 1), Msg(3, 1), Msg(0, 2), Msg(1, 2), Msg(3, 2)]
+    with ThreadPoolExecutor(1, initializer=c._lane_start, thread_name_prefix="apply-t") as lanes:
+        assert c._apply_lanes(msgs, lanes) is True  # type: ignore[arg-type]
+    me = threading.current_thread().name
+    assert sorted(parts) == sorted([(me, [(0, 1), (2, 1), (0, 2)]),
+                                    ("apply-t_0", [(1, 1), (3, 1), (1, 2), (3, 2)])])
+    assert sorted(fake.stored) == [(0, 2), (1, 2), (2, 1)]
+    assert {who for kind, (who, _) in [e for e in events if e[0] == "store"]} == {me}
+    # the lane's offsets (partitions 1, 3) are stored after its part and after the hook
+    first_lane_store = next(i for i, e in enumerate(events)
+                            if e[0] == "store" and e[1][1] in (1, 3))
+    assert ("applied", "apply-t_0") in events[:first_lane_store]
+    assert events[first_lane_store - 1] == ("after_apply", None)

@@ -143,7 +143,8 @@ def create_topics(settings: Settings, names: Sequence[str], *, partitions: int,
     """Create full topic ``names`` (waits until each has leaders), with ``max.message.bytes``
     as jobstream creates its topics (:func:`jobstream.kafka.topic_max_message_bytes`) unless
     ``config`` says otherwise: a topic at the broker's default (~1 MB), below the producer's
-    ``message.max.bytes``, makes the relay send its rows one at a time (its ``_narrow``)."""
+    ``message.max.bytes``, sends the relay's rows through its narrow-topic path (``_narrow``;
+    ``bench.relay --topic-max-message-bytes``)."""
     admin = AdminClient(base_config(settings))
     futs = admin.create_topics(
         [NewTopic(n, num_partitions=partitions, replication_factor=1,

@@ -80,9 +80,13 @@ from jobstream.db import connect
 from jobstream.kafka import base_config, producer_config
 from jobstream.settings import Settings
 from jobstream.store import OutboxMessage, Store, outbox_message
+from outbox_relay.relay import narrow_batch_bytes
 from schemas.events import TextExtracted, TextExtractedPayload
 
 TOPIC_CONFIG = {"message.timestamp.type": "LogAppendTime"}
+#: The raw producer's config beyond the relay's (--topic-max-message-bytes: the batch.size of
+#: the relay's narrow-topic producer, without which the broker refuses its batches).
+RAW_EXTRA: dict[str, Any] = {}
 
 
 def make_message(topic: str) -> OutboxMessage:
@@ -512,7 +516,8 @@ def raw_produce(settings: Settings, topic: str,
     """Send ``msgs`` with a plain producer (the relay's config); paced at ``rate`` events/s
     if given. Returns the elapsed time and the produce() call time of each event id."""
     p = Producer(producer_config(settings, **{"client.id": "bench-raw",
-                                              "linger.ms": settings.relay_linger_ms}))
+                                              "linger.ms": settings.relay_linger_ms,
+                                              **RAW_EXTRA}))
     p.list_topics(topic, timeout=10)  # connection + metadata before the clock starts
     # ... and the idempotent producer's id: the relay has it long before it is measured. The
     # warm-up message has no event_id header, so the collectors ignore it.
@@ -577,7 +582,7 @@ def raw_baseline(settings: Settings, msgs: list[tuple[str, bytes, list[tuple[str
     return {"rows": n, "events_per_s": round(n / r["elapsed_s"]),
             "elapsed_s": round(r["elapsed_s"], 3),
             "cpu_us_per_row": round(r["cpu_s"] * 1e6 / n, 2),
-            "producer_config": {k: v for k, v in producer_config(settings).items()
+            "producer_config": {k: v for k, v in producer_config(settings, **RAW_EXTRA).items()
                                 if k not in ("bootstrap.servers", "logger")}}
 
 
@@ -849,7 +854,15 @@ def main() -> None:
                    help="debezium: also measure the Debezium relay in the same run")
     p.add_argument("--connect-url", help="a running Kafka Connect worker (default: start a "
                    "private one with scripts/services.sh)")
+    p.add_argument("--topic-max-message-bytes", type=int,
+                   help="create the drains' and raw producer's topics with this "
+                        "max.message.bytes (bytes), below the producer's message.max.bytes: "
+                        "the relay's narrow-topic path (e.g. 1048588, the broker's default; "
+                        "default: as jobstream creates its topics)")
     args = p.parse_args()
+    if args.topic_max_message_bytes:  # a narrow topic: the relay's _narrow path
+        TOPIC_CONFIG["max.message.bytes"] = str(args.topic_max_message_bytes)
+        RAW_EXTRA["batch.size"] = narrow_batch_bytes(args.topic_max_message_bytes)
     args.n = int(args.n)
     args.n_large = int(args.n_large)
     args.rates = [float(r) for r in args.rates.split(",") if r]

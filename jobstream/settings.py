@@ -245,8 +245,9 @@ class Settings(BaseSettings):
     relay_topic_limit_refresh_s: float = Field(
         60.0, gt=0, description="Relay: a topic's max.message.bytes, once known, is asked "
                                 "again after this long (seconds): a topic whose limit was "
-                                "lowered below the producer's goes one row at a time from "
-                                "then on (per-key order when the broker refuses a large row).")
+                                "lowered below the producer's goes in record batches under "
+                                "its limit from then on, a larger row alone (per-key order "
+                                "when the broker refuses a large row).")
     relay_missing_topic_park_s: float = Field(
         300.0, ge=0, description="Relay: rows for a topic the broker says does not exist (never "
                                  "created, or deleted) are retried this long after the relay "

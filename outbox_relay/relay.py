@@ -31,6 +31,7 @@ Protocol (design.md, "Outbox relay"):
 
 from __future__ import annotations
 
+import importlib
 import logging
 import queue
 import signal
@@ -85,6 +86,39 @@ MISSING_TOPIC_ERRORS = frozenset({
     KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC, KafkaError._MSG_TIMED_OUT,
     KafkaError._UNKNOWN_PARTITION,
 })
+
+
+#: Bytes of a record batch beyond its records (the v2 batch header, 61, and the log entry's
+#: offset and length, 12); the most a record adds to its key, value and headers (its length,
+#: attributes, timestamp and offset deltas, key and value lengths, header count: varints);
+#: the most a header adds to its name and value (two varint lengths). See record_bytes().
+BATCH_OVERHEAD, RECORD_OVERHEAD, HEADER_OVERHEAD = 73, 36, 10
+
+
+def record_bytes(row: tuple[Any, ...]) -> int:
+    """An upper bound of the bytes (uncompressed) of outbox ``row`` alone in a record batch:
+    its key, value and headers (UTF-8) plus the framing. Compression usually makes the batch
+    the broker checks against ``max.message.bytes`` smaller; its worst-case growth on
+    incompressible bytes is in :func:`narrow_batch_bytes`' margin."""
+    _id, _topic, key, payload, headers, _type = row
+    n = BATCH_OVERHEAD + RECORD_OVERHEAD + len(payload)
+    if key is not None:
+        n += len(key.encode()) if isinstance(key, str) else len(key)
+    if isinstance(headers, dict):
+        for k, v in headers.items():
+            n += HEADER_OVERHEAD + len(str(k).encode()) + len(str(v).encode())
+    elif headers:  # not the relay's dict (jsonb of another shape): its JSON, an upper bound
+        n += HEADER_OVERHEAD + len(orjson.dumps(headers, default=str))
+    return n
+
+
+def narrow_batch_bytes(limit: int) -> int:
+    """The ``batch.size`` (bytes) of the producer that sends a narrow topic's rows: what a
+    record batch may hold so that, framed (``BATCH_OVERHEAD``) and compressed (lz4's frame
+    header and worst-case growth on incompressible bytes: 64 bytes + 1 %), it stays within
+    the topic's ``max.message.bytes`` = ``limit``. A row with a larger :func:`record_bytes`
+    is not batched (:meth:`OutboxRelay._produce_narrow`)."""
+    return max(1, limit - BATCH_OVERHEAD - 64 - limit // 100)
 
 
 def _permanent(err: KafkaError | None) -> bool:
@@ -229,6 +263,16 @@ class OutboxRelay:
         #: and topic -> (monotonic s its rows are due again, its backoff in s); see _hold.
         self._held: dict[str, list[tuple[Any, ...]]] = {}
         self._held_due: dict[str, tuple[float, float]] = {}
+        #: The producer of narrow topics' rows (batch.size below their limits, see
+        #: _produce_narrow), made on first use; its batch.size (bytes).
+        self._narrow_producer: Producer | None = None
+        self._narrow_batch = 0
+        #: Topic -> whether its last rows went to the narrow producer (True) or to the main
+        #: one: when that changes, the other producer is flushed first (per-key order).
+        self._on_narrow: dict[str, bool] = {}
+        #: The next draining fetch, sent ahead in pipeline mode (_read_ahead): the id it
+        #: reads after, its cursor and the pipeline's context manager.
+        self._ahead: tuple[int, Any, Any] | None = None
 
     def stop(self, *_: Any) -> None:
         """Ask the relay loop to finish its current batch and return."""
@@ -277,6 +321,9 @@ class OutboxRelay:
         of rows fetched (``relay_batch_size``: more are probably waiting)."""
         poll = self._producer.poll
         poll(0)
+        narrow = self._narrow_producer
+        if narrow is not None:
+            narrow.poll(0)
         if self._marker is not None:
             self._marker.check()
         if self._failed or self._refused:
@@ -291,7 +338,11 @@ class OutboxRelay:
             return 0
         if len(self._pending) >= self.settings.relay_max_in_flight:
             self.mark(conn)
-            poll(0.05)  # the window is full: wait for reports
+            # The window is full: wait for reports (from the producer with rows in flight).
+            if narrow is not None and len(narrow) and not len(self._producer):
+                narrow.poll(0.05)
+            else:
+                poll(0.05)
             return self.settings.relay_batch_size
         rows = self._fetch(conn)
         if rows:
@@ -307,10 +358,13 @@ class OutboxRelay:
         now = time.monotonic()
         if self._draining and now - self._last_rescan < st.relay_rescan_s:
             self.mark(conn)  # on the marker thread: rows after _hwm only are read here
-            self.stats.transactions += 1
-            with conn.cursor(row_factory=tuple_row, binary=True) as cur:
-                rows = cur.execute(Q["outbox_fetch_after"], (self._hwm, n)).fetchall()
+            rows = self._take_ahead(self._hwm)
+            if rows is None:
+                self.stats.transactions += 1
+                with conn.cursor(row_factory=tuple_row, binary=True) as cur:
+                    rows = cur.execute(Q["outbox_fetch_after"], (self._hwm, n)).fetchall()
         else:
+            self._take_ahead(None)
             floors = self._floors
             while floors and now - floors[0][0] >= st.relay_late_commit_s:
                 self._floor = floors.popleft()[1]
@@ -343,7 +397,41 @@ class OutboxRelay:
         self._draining = len(rows) >= n
         if rows:
             self._hwm = max(self._hwm, max(r[0] for r in rows))
+        if (self._draining and self._marker is not None
+                and now - self._last_rescan < st.relay_rescan_s):
+            self._read_ahead(conn)
         return rows
+
+    def _read_ahead(self, conn: Conn) -> None:
+        """Send the next draining fetch (the rows after ``_hwm``) without waiting for it
+        (psycopg pipeline mode): Postgres reads them while this batch is produced, and the
+        next :meth:`_fetch` takes the result (:meth:`_take_ahead`). Until then ``conn`` runs
+        nothing else: every other use of it takes (or drops) the read-ahead first."""
+        pipeline = conn.pipeline()
+        pipeline.__enter__()
+        try:
+            cur = conn.cursor(row_factory=tuple_row, binary=True)
+            cur.execute(Q["outbox_fetch_after"], (self._hwm, self.settings.relay_batch_size))
+        except BaseException:
+            pipeline.__exit__(None, None, None)
+            raise
+        self.stats.transactions += 1
+        self._ahead = (self._hwm, cur, pipeline)
+
+    def _take_ahead(self, after: int | None) -> list[tuple[Any, ...]] | None:
+        """Wait for the read-ahead (if one was sent) and leave pipeline mode; its rows when
+        it read after id ``after`` (the fetch the caller would run), else None (dropped: the
+        caller reads again)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        at, cur, pipeline = ahead
+        try:
+            rows: list[tuple[Any, ...]] = cur.fetchall()
+        finally:
+            cur.close()
+            pipeline.__exit__(None, None, None)
+        return rows if at == after else None
 
     def _forget_floor(self) -> None:
         """Read from id 0 next time (a row was given back as undelivered: it may lie below
@@ -355,12 +443,13 @@ class OutboxRelay:
         """Hand ``rows`` to the producer; each one's delivery report lands in ``_on_delivery``.
         A row the client refuses at once (over ``message.max.bytes``, unserialisable) goes to
         ``_refused`` with the reason."""
-        produce, poll, pending = self._producer.produce, self._producer.poll, self._pending
+        produce, pending = self._producer.produce, self._pending
         on_delivery = self._on_delivery
         missing, now = self._missing_topics, time.monotonic()
         grace = self.settings.relay_missing_topic_park_s
         narrow: list[tuple[Any, ...]] = []
         held = self._held
+        limits: dict[str, int] = {}  # topic -> _route(topic), once per batch
         for row in rows:
             _id, topic, key, payload, headers, _type = row
             if held and topic in held:  # behind its topic's held rows (_hold)
@@ -372,44 +461,94 @@ class OutboxRelay:
                 # topic and parks it, or sends it again if the topic is back.
                 self._failed.append((row, KafkaError(KafkaError._UNKNOWN_TOPIC)))
                 continue
-            if self._narrow(topic):
+            limit = limits.get(topic)
+            if limit is None:
+                limit = limits[topic] = self._route(topic)
+            if limit:
                 narrow.append(row)
                 continue
-            while True:
-                try:  # a dict of str headers is UTF-8 encoded by the client, in C
-                    produce(topic, value=payload, key=key, headers=headers,
-                            on_delivery=partial(on_delivery, row))
-                    pending[_id] = row
-                    break
-                except BufferError:
-                    poll(0.1)  # local queue full: serve callbacks, then retry
-                except TypeError as exc:  # a header value that is not a string (JSON number)
-                    if isinstance(headers, dict) and not all(
-                            isinstance(v, str) for v in headers.values()):
-                        headers = {k: str(v) for k, v in headers.items()}
-                        continue
-                    self._refused.append(
-                        (row, f"cannot serialise the row: {type(exc).__name__}: {exc}"))
-                    break
-                except (KafkaException, ValueError) as exc:  # e.g. MSG_SIZE_TOO_LARGE
-                    err = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
-                    if isinstance(err, KafkaError) and err.code() in MISSING_TOPIC_ERRORS:
-                        # The client knows the topic is missing: retriable until the grace
-                        # (settle(): _missing_past_grace), as a delivery report saying so.
-                        self._failed.append((row, err))
-                    else:
-                        self._refused.append((row, _describe_exc(exc)))
-                    break
+            try:  # a dict of str headers is UTF-8 encoded by the client, in C
+                produce(topic, value=payload, key=key, headers=headers,
+                        on_delivery=partial(on_delivery, row))
+                pending[_id] = row
+            except (BufferError, TypeError, KafkaException, ValueError):
+                self._produce_row(self._producer, row)  # retried or refused there
         if narrow:
-            self._produce_alone(narrow)
+            self._produce_narrow(narrow, limits)
+
+    def _produce_row(self, producer: Producer, row: tuple[Any, ...]) -> None:
+        """Hand one row to ``producer`` (delivery report to ``_on_delivery``): waits while the
+        client's queue is full, stringifies header values that are not strings, and puts a
+        row the client refuses at once in ``_refused`` (or in ``_failed`` when the client
+        knows its topic is missing)."""
+        _id, topic, key, payload, headers, _type = row
+        while True:
+            try:  # a dict of str headers is UTF-8 encoded by the client, in C
+                producer.produce(topic, value=payload, key=key, headers=headers,
+                                 on_delivery=partial(self._on_delivery, row))
+                self._pending[_id] = row
+                return
+            except BufferError:
+                producer.poll(0.1)  # local queue full: serve callbacks, then retry
+            except TypeError as exc:  # a header value that is not a string (JSON number)
+                if isinstance(headers, dict) and not all(
+                        isinstance(v, str) for v in headers.values()):
+                    headers = {k: str(v) for k, v in headers.items()}
+                    continue
+                self._refused.append(
+                    (row, f"cannot serialise the row: {type(exc).__name__}: {exc}"))
+                return
+            except (KafkaException, ValueError) as exc:  # e.g. MSG_SIZE_TOO_LARGE
+                err = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
+                if isinstance(err, KafkaError) and err.code() in MISSING_TOPIC_ERRORS:
+                    # The client knows the topic is missing: retriable until the grace
+                    # (settle(): _missing_past_grace), as a delivery report saying so.
+                    self._failed.append((row, err))
+                else:
+                    self._refused.append((row, _describe_exc(exc)))
+                return
+
+    def _route(self, topic: str) -> int:
+        """Where ``topic``'s rows go: 0 for the main producer (batched); its
+        ``max.message.bytes`` (> 0) for a narrow topic whose limit is known (the narrow
+        producer, :meth:`_produce_narrow`); -1 for a narrow topic whose limit is not known (a
+        topic that went missing: one row at a time on the main producer, as before). When a
+        topic moves between the two producers, the one it leaves is flushed first, so its
+        earlier rows are acknowledged (or failed) before later ones are sent.
+
+        A narrow topic's known limit is asked again for every batch (one describe_configs per
+        fetch, ~ms): its rows are batched under that limit, and a limit lowered since
+        (``kafka-configs --alter``) would have the broker refuse a batch for one row while
+        later batches go through, the batch-mates re-sent alone after them (breaker6,
+        tests/e2e/test_break_relay_narrow_lowered.py; rows alone never broke the order). What
+        is left: an alter between that ask and the send."""
+        got = self._topic_limits.get(topic)
+        if (got is not None and got[0] is not None
+                and got[0] < self.settings.kafka_message_max_bytes):
+            self._topic_limits[topic] = (got[0], float("-inf"))  # _narrow asks again
+        limit = 0
+        if self._narrow(topic):
+            got = self._topic_limits.get(topic)
+            limit = got[0] if got is not None and got[0] is not None else -1
+            if topic in self._missing_topics:
+                limit = -1
+        on_narrow = limit > 0
+        was = self._on_narrow.get(topic)
+        if was is not None and was != on_narrow:
+            left = self._narrow_producer if was else self._producer
+            if left is not None:
+                left.flush(60)
+        self._on_narrow[topic] = on_narrow
+        return limit
 
     def _narrow(self, topic: str) -> bool:
         """True when ``topic`` takes smaller record batches (its ``max.message.bytes``) than
         this producer builds (``message.max.bytes`` = ``kafka_message_max_bytes``): the broker
         would refuse a whole batch for one large row, its batch-mates with it, while later
         batches of the partition go through, so the batch-mates re-sent alone would land
-        after them (per-key order broken). Such a topic's rows go one at a time
-        (:meth:`_produce_alone`). Its limit is asked again after 60 s while unknown, and
+        after them (per-key order broken). Such a topic's rows go to a producer whose record
+        batches stay under the limit, and a row too large to be batched goes alone
+        (:meth:`_produce_narrow`). Its limit is asked again after 5 s while unknown, and
         after ``relay_topic_limit_refresh_s`` when known (an operator may lower it meanwhile:
         breaker4, tests/e2e/test_break_relay_limit_lowered.py), and at once after the broker
         refused a message as too large (:meth:`_on_delivery`). A topic the broker said was
@@ -422,8 +561,11 @@ class OutboxRelay:
             return True
         got = self._topic_limits.get(topic)
         now = time.monotonic()
-        every = 60 if got is None or got[0] is None else self.settings.relay_topic_limit_refresh_s
-        if got is None or (now - got[1] > every and topic not in self._missing_topics):
+        # Unknown (the broker did not answer within 2 s: load, outage): asked again after
+        # 5 s, not 60, since meanwhile the topic counts as wide (perf-relay5 saw a cold
+        # AdminClient miss the 2 s under load, test_break_missing_topic[narrow]).
+        every = 5 if got is None or got[0] is None else self.settings.relay_topic_limit_refresh_s
+        if got is None or now - got[1] > every:
             old = got[0] if got is not None else None
             limit = self._topic_limit(topic)
             if limit is None:  # not told this time: keep what we knew
@@ -434,12 +576,33 @@ class OutboxRelay:
                 log.warning(
                     "topic %s takes messages up to %d bytes (max.message.bytes), less than "
                     "this relay produces (JOBSTREAM_KAFKA_MESSAGE_MAX_BYTES=%d): its rows "
-                    "go one at a time, each waiting for the broker, to keep per-key order "
-                    "when a large row is refused (much slower). Create the topic with "
-                    "`jobstream topics` or raise its max.message.bytes, or lower the "
+                    "go in record batches of at most %d bytes, and a row larger than that "
+                    "alone, after the rows before it were acknowledged, to keep per-key "
+                    "order when the broker refuses a large row (slower). Create the topic "
+                    "with `jobstream topics` or raise its max.message.bytes, or lower the "
                     "setting to the topic's limit", topic, got[0],
-                    self.settings.kafka_message_max_bytes)
+                    self.settings.kafka_message_max_bytes, narrow_batch_bytes(limit))
         return got[0] is not None and got[0] < self.settings.kafka_message_max_bytes
+
+    def _warm_up(self) -> None:
+        """Before the lock (a standby too, so a takeover publishes at once): import what the
+        sweeper, retention and parking use, and connect the AdminClient that asks a topic's
+        ``max.message.bytes``. The imports took ~0.25 s inside the first drain (bench.relay
+        --profile, issue 12's fifth pass), and the first describe_configs of a cold
+        AdminClient includes its connection to the broker, which under load can take longer
+        than :meth:`_topic_limit` waits (the topic is then taken as wide until asked again)."""
+        for module in ("jobstream.deadletter", "jobstream.retention", "streams.actions",
+                       "streams.context"):
+            importlib.import_module(module)
+        if self.housekeeping_only:
+            return
+        from confluent_kafka.admin import AdminClient
+        try:
+            if self._admin is None:
+                self._admin = AdminClient(base_config(self.settings))
+            self._admin.list_topics(timeout=5)
+        except KafkaException as exc:  # the broker is not there yet: asked again on use
+            log.debug("relay warm-up: broker metadata not fetched: %s", exc)
 
     def _topic_limit(self, topic: str) -> int | None:
         """``topic``'s ``max.message.bytes`` (bytes), or None when the broker did not say
@@ -455,31 +618,76 @@ class OutboxRelay:
             log.debug("max.message.bytes of %s unknown: %s", topic, exc)
             return None
 
-    def _produce_alone(self, rows: list[tuple[Any, ...]]) -> None:
-        """Produce rows of narrow topics (:meth:`_narrow`) one at a time, each waiting for its
-        delivery report: a row the topic refuses goes to ``_refused`` (parked) alone, and
-        once a row of a topic failed otherwise, the topic's later rows are not sent (they
-        go to ``_failed`` with it, re-sent in id order after the backoff)."""
+    def _narrow_for(self, limit: int) -> Producer:
+        """The narrow producer, its ``batch.size`` at most :func:`narrow_batch_bytes` of
+        ``limit`` (bytes): made on first use; a topic narrower than the ones before replaces
+        it by one with smaller batches, after the old one's rows were acknowledged."""
+        want = narrow_batch_bytes(limit)
+        producer = self._narrow_producer
+        if producer is not None and self._narrow_batch <= want:
+            return producer
+        if producer is not None and producer.flush(60):
+            # Still undelivered after a minute: purged, their reports (failures) served now,
+            # so the rows are re-sent after the backoff rather than left in _pending.
+            producer.purge()
+            producer.flush(5)
+        self._narrow_producer = producer = Producer(producer_config(self.settings, **{
+            "client.id": "jobstream-relay-narrow", "partitioner": "murmur2_random",
+            "linger.ms": self.settings.relay_linger_ms, "batch.size": want}))
+        self._narrow_batch = want
+        return producer
+
+    def _produce_narrow(self, rows: list[tuple[Any, ...]], limits: dict[str, int]) -> None:
+        """Produce rows of narrow topics (``limits``: topic -> :meth:`_route`). A row of a
+        topic whose limit is known and whose :func:`record_bytes` fit the narrow producer's
+        ``batch.size`` is batched by it: every record batch stays within the topic's
+        ``max.message.bytes``, so the broker never refuses a batch for one large row. A larger
+        row, or any row of a topic whose limit is not known, goes alone
+        (:meth:`_produce_alone`) once the rows before it were acknowledged."""
         stalled: set[str] = set()
         for row in rows:
-            if row[1] in stalled:
+            topic = row[1]
+            if topic in stalled:
                 self._failed.append((row, KafkaError(
                     KafkaError._STATE, "behind an undelivered row of its topic")))
                 continue
-            reports, refusal = self._send([row])
-            report = reports.get(0, _MISSING)
-            if 0 in refusal:
-                self._refused.append((row, refusal[0]))
-            elif report is None:
-                self._acked.append(row)
-                self._acked_at = time.time()
-                self._forget_missing(row[1])
-            elif isinstance(report, KafkaError) and _permanent(report):
-                self._refused.append((row, _describe_err(report)))
-            else:
-                self._failed.append((row, report if isinstance(report, KafkaError)
-                                     else KafkaError(KafkaError._MSG_TIMED_OUT)))
-                stalled.add(row[1])
+            limit = limits[topic]
+            if limit > 0:
+                producer = self._narrow_for(limit)
+                if record_bytes(row) <= self._narrow_batch:
+                    self._produce_row(producer, row)
+                    continue
+                # Too large to batch: the rows before it first (a refusal then touches only
+                # this row), unless one of them failed (sent after it, the order breaks).
+                producer.flush(60)
+                if any(r[1] == topic for r, _ in self._failed):
+                    stalled.add(topic)
+                    self._failed.append((row, KafkaError(
+                        KafkaError._STATE, "behind an undelivered row of its topic")))
+                    continue
+            if not self._produce_alone(row, self._narrow_producer if limit > 0 else None):
+                stalled.add(topic)
+
+    def _produce_alone(self, row: tuple[Any, ...], producer: Producer | None = None) -> bool:
+        """Produce ``row`` alone on ``producer`` (the main one by default) and wait for its
+        delivery report: acknowledged, or refused by the topic (``_refused``, parked alone),
+        or failed otherwise (``_failed``, re-sent in id order after the backoff: returns
+        False, the topic's later rows must not be sent before it)."""
+        reports, refusal = self._send([row], producer)
+        report = reports.get(0, _MISSING)
+        if 0 in refusal:
+            self._refused.append((row, refusal[0]))
+        elif report is None:
+            self._acked.append(row)
+            self._acked_at = time.time()
+            self._forget_missing(row[1])
+        elif isinstance(report, KafkaError) and _permanent(report):
+            self._refused.append((row, _describe_err(report)))
+        else:
+            self._failed.append((row, report if isinstance(report, KafkaError)
+                                 else KafkaError(KafkaError._MSG_TIMED_OUT)))
+            return False
+        return True
 
     def _on_delivery(self, row: tuple[Any, ...], err: KafkaError | None, _msg: Any) -> None:
         """Delivery report of ``row`` (called from ``poll``/``flush`` in this thread)."""
@@ -494,6 +702,13 @@ class OutboxRelay:
             if err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
                 self._topic_limits.pop(row[1], None)  # lowered? ask again (_narrow)
             self._failed.append((row, err))
+
+    def _flush(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s`` seconds each) for the delivery reports of every row
+        handed to either producer."""
+        self._producer.flush(timeout_s)
+        if self._narrow_producer is not None:
+            self._narrow_producer.flush(timeout_s)
 
     def _forget_missing(self, topic: str) -> None:
         """``topic`` took a row: it exists (again). Its limit was dropped when it went
@@ -575,6 +790,7 @@ class OutboxRelay:
             return 0
         log_published = self.settings.relay_published_log
         if self._marker is None:
+            self._take_ahead(None)
             self.stats.transactions += 1
             conn.execute(Q["outbox_delete_published" if log_published
                            else "outbox_delete_published_nolog"],
@@ -590,8 +806,9 @@ class OutboxRelay:
         batch-mates may be the reason); one that fails alone, or that the client refused, is
         parked. Raises :class:`DeliveryFailed` when some rows failed with a retriable error
         (they stay unpublished; the caller backs off)."""
+        self._take_ahead(None)  # conn runs the parks below
         if wait:
-            self._producer.flush(60)
+            self._flush(60)
         retriable: list[tuple[tuple[Any, ...], KafkaError | None]] = (
             [(row, None) for row in self._pending.values()] if wait else [])
         if wait:
@@ -668,15 +885,17 @@ class OutboxRelay:
             keep.append((row, err))
         return keep
 
-    def _send(self, rows: list[tuple[Any, ...]]
+    def _send(self, rows: list[tuple[Any, ...]], producer: Producer | None = None
               ) -> tuple[dict[int, KafkaError | None], dict[int, str]]:
-        """Produce ``rows`` and wait for their delivery reports (at most 60 s), outside the
-        pipeline (a refused row re-sent alone). Returns the reports by row index (``None``:
+        """Produce ``rows`` on ``producer`` (the main one by default) and wait for their
+        delivery reports (at most 60 s), outside the pipeline (a refused row re-sent alone).
+        Returns the reports by row index (``None``:
         acknowledged; absent: no report in time; a missing topic the client knows of at
         ``produce()`` is reported as its error) and the rows the client refused at once (too
         large for ``message.max.bytes``, unserialisable), with the reason."""
         reports: dict[int, KafkaError | None] = {}
         refused: dict[int, str] = {}
+        producer = self._producer if producer is None else producer
 
         def report_to(i: int) -> Any:
             def on_delivery(err: KafkaError | None, _msg: Any) -> None:
@@ -687,8 +906,8 @@ class OutboxRelay:
             if isinstance(headers, dict):
                 headers = {k: v if isinstance(v, str) else str(v) for k, v in headers.items()}
             try:
-                self._producer.produce(topic, value=payload, key=key, headers=headers,
-                                       on_delivery=report_to(i))
+                producer.produce(topic, value=payload, key=key, headers=headers,
+                                 on_delivery=report_to(i))
             except (KafkaException, ValueError, TypeError, BufferError) as exc:
                 err = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
                 if isinstance(err, KafkaError) and err.code() in MISSING_TOPIC_ERRORS:
@@ -697,7 +916,7 @@ class OutboxRelay:
                     reports[i] = err
                 else:
                     refused[i] = _describe_exc(exc)
-        self._producer.flush(60)
+        producer.flush(60)
         return reports, refused
 
     def park(self, conn: Conn, row: tuple[Any, ...], why: str) -> None:
@@ -805,6 +1024,7 @@ class OutboxRelay:
         released), never a live relay's. Raises ``psycopg.OperationalError`` when the
         session is gone (the lock with it)."""
         if time.monotonic() - self._touched >= self.settings.relay_lock_timeout_s / 3:
+            self._take_ahead(None)
             conn.execute(Q["relay_touch"])
             self._touched = time.monotonic()
 
@@ -866,6 +1086,7 @@ class OutboxRelay:
                            if self._acked else min(st.relay_poll_interval_s,
                                                    st.relay_lock_timeout_s / 3))
                 woke = False
+                self._take_ahead(None)
                 for _ in conn.notifies(timeout=timeout, stop_after=1):
                     woke = True
                 # Woken only to serve reports: no fetch (a commit's NOTIFY, or the wait
@@ -880,6 +1101,7 @@ class OutboxRelay:
 
     def _reset_pipeline(self) -> None:
         """Forget the rows in flight (a new session: they are fetched again)."""
+        self._ahead = None  # its session is gone (or it was taken)
         self._pending.clear()
         self._acked, self._failed, self._refused = [], [], []
         self._held.clear()
@@ -888,7 +1110,11 @@ class OutboxRelay:
 
     def _give_up_in_flight(self) -> None:
         """After an unexpected error: let every row in flight be fetched again."""
-        self._producer.flush(10)
+        self._flush(10)
+        try:
+            self._take_ahead(None)
+        except psycopg.Error as exc:  # the session is in doubt: reconnect (run())
+            raise psycopg.OperationalError(f"relay read-ahead failed: {exc}") from exc
         self._pending.clear()
         self._failed, self._refused = [], []
         self._held.clear()
@@ -902,8 +1128,9 @@ class OutboxRelay:
         if marker is None:
             return
         try:
+            self._take_ahead(None)
             if self._pending:
-                self._producer.flush(10)
+                self._flush(10)
             self.mark(conn)
         except Exception as exc:  # Postgres gone: the next relay re-publishes
             log.info("could not mark the last delivered rows (%s); they will be published "
@@ -921,6 +1148,7 @@ class OutboxRelay:
         """Relay until stopped. Reconnects to Postgres with backoff; never marks a row
         published before its delivery report."""
         backoff = 0.5
+        self._warm_up()
         while not self._stop.is_set():
             try:
                 with connect(self.settings.database_url, autocommit=True) as conn:
@@ -954,7 +1182,7 @@ class OutboxRelay:
                 log.debug("postgres unavailable (%s); reconnecting in %.1fs", exc, backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
-        self._producer.flush(30)
+        self._flush(30)
         if self._ctx is not None:
             self._ctx.store.close()
         return self.stats

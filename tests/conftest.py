@@ -17,7 +17,8 @@ import shutil
 import subprocess
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,10 @@ from tests.helpers import ProcessRunner
 #: starts once. Every other test is scheduled on its own (each has its own database and topic
 #: prefix). A module added here must not depend on which other tests run beside it.
 ONE_WORKER_MODULES = frozenset({
+    # The matrices: a module fixture runs their selected points two at a time (each worker that
+    # ran a part of the module would run every point).
+    "tests/e2e/test_crash_matrix.py",
+    "tests/e2e/test_pause.py",
     "tests/e2e/test_debezium_relay.py",
     "tests/e2e/test_service_restarts.py",
     "tests/e2e/test_starvation_and_outage.py",
@@ -167,17 +172,41 @@ def _database_dropper(endpoints: Endpoints) -> Iterator[_Dropper]:
     dropper.close()
 
 
+@contextmanager
+def fresh_database(endpoints: Endpoints, template_db: str, dropper: _Dropper) -> Iterator[str]:
+    """A fresh database cloned from the migrated template; yields its URL, dropped afterwards
+    in the background (``_Dropper``)."""
+    name = f"jobstream_t_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(endpoints.database_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+            sql.Identifier(name), sql.Identifier(template_db)))
+    try:
+        yield _with_db(endpoints.database_url, name)
+    finally:
+        dropper.drop(name)
+
+
+@contextmanager
+def make_settings(endpoints: Endpoints, database_url: str) -> Iterator[Settings]:
+    """Settings on ``database_url`` with their own topic prefix (topics created, deleted
+    afterwards) and the suite's short timeouts."""
+    s = Settings(database_url=database_url, kafka_bootstrap_servers=endpoints.kafka,
+                 topic_prefix=f"t{uuid.uuid4().hex[:8]}.", consumer_session_timeout_ms=6000,
+                 relay_poll_interval_s=0.2, lease_s=30.0, provider_backoff_base_s=0.05)
+    ensure_topics(s)
+    try:
+        yield s
+    finally:
+        delete_topics(s)
+
+
 @pytest.fixture
 def database_url(endpoints: Endpoints, template_db: str,
                  _database_dropper: _Dropper) -> Iterator[str]:
     """A fresh database for one test, cloned from the migrated template (dropped after the
     test, in the background: ``_Dropper``)."""
-    name = f"jobstream_t_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(endpoints.database_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-            sql.Identifier(name), sql.Identifier(template_db)))
-    yield _with_db(endpoints.database_url, name)
-    _database_dropper.drop(name)
+    with fresh_database(endpoints, template_db, _database_dropper) as url:
+        yield url
 
 
 @pytest.fixture
@@ -185,12 +214,22 @@ def settings(endpoints: Endpoints, database_url: str) -> Iterator[Settings]:
     """Settings of one test: own database, own topic prefix, short timeouts. The test's topics
     are deleted afterwards: a single-node broker's heap grows with every partition it holds,
     and a whole suite creates thousands."""
-    s = Settings(database_url=database_url, kafka_bootstrap_servers=endpoints.kafka,
-                 topic_prefix=f"t{uuid.uuid4().hex[:8]}.", consumer_session_timeout_ms=6000,
-                 relay_poll_interval_s=0.2, lease_s=30.0, provider_backoff_base_s=0.05)
-    ensure_topics(s)
-    yield s
-    delete_topics(s)
+    with make_settings(endpoints, database_url) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def isolated_settings(endpoints: Endpoints, template_db: str,
+                      _database_dropper: _Dropper) -> Callable[[], Any]:
+    """A factory of context managers, each yielding :class:`Settings` exactly like the
+    ``settings`` fixture's (own database, own topic prefix, short timeouts): for a module that
+    runs independent points of one test function concurrently (``run_points_concurrently``)."""
+    @contextmanager
+    def make() -> Iterator[Settings]:
+        with fresh_database(endpoints, template_db, _database_dropper) as url, \
+                make_settings(endpoints, url) as s:
+            yield s
+    return make
 
 
 @pytest.fixture

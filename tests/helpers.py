@@ -331,6 +331,27 @@ def freeze_in_local_llm(settings: Settings, procs: ProcessRunner, key: str, text
 
 
 @contextmanager
+def run_points_concurrently(request: Any, test_name: str, param: str,
+                            run: Callable[[str], Any], width: int = 2
+                            ) -> Iterator[dict[str, Any]]:
+    """Start the selected points of the parametrised test ``test_name`` (its ``param`` values,
+    in collection order), ``width`` at a time in threads, each by ``run(point)``; yields
+    ``{point: concurrent.futures.Future}``. For a module fixture of points that are
+    independent (each its own database, topic prefix, fake provider and processes) and that
+    mostly WAIT (fixed pauses, session timeouts): two overlap their waits, and the wall time of
+    the matrix nearly halves. Exits once every started point finished."""
+    from concurrent.futures import ThreadPoolExecutor
+    # pytest creates (and first empties) the session's base temp dir on its first use: here,
+    # not in two threads at once (one would delete the other's tmp_path_factory.mktemp dir).
+    request.getfixturevalue("tmp_path_factory").getbasetemp()
+    points = [item.callspec.params[param] for item in request.session.items
+              if getattr(item, "originalname", None) == test_name
+              and item.module is request.module]
+    with ThreadPoolExecutor(max_workers=width, thread_name_prefix=test_name) as pool:
+        yield {p: pool.submit(run, p) for p in points}
+
+
+@contextmanager
 def kept_frozen(settings: Settings, procs: ProcessRunner, frozen: Proc) -> Iterator[None]:
     """Run the block while ``frozen`` (a worker from :func:`freeze_in_local_llm`) stays
     stopped: assert it is still stopped at the end of the block (else the probe was

@@ -44,7 +44,10 @@ def test_a_rebalance_storm_with_frozen_and_killed_workers_never_skips_an_offset(
         env = {k: v for k, v in chaos.settings_env(s).items() if k.startswith("JOBSTREAM_")}
         env |= {"JOBSTREAM_LLM_CONCURRENCY": "4", "JOBSTREAM_SWEEP_GRACE_S": "3600",
                 "JOBSTREAM_SWEEP_STALL_GRACE_S": "3600",
-                "JOBSTREAM_CONSUMER_SESSION_TIMEOUT_MS": "6000"}
+                "JOBSTREAM_CONSUMER_SESSION_TIMEOUT_MS": "6000",
+                # A killed C's provider slots (the shared limit) are held provider_timeout_s
+                # + 30 s: 36 s with a 6 s timeout (the fake answers in 0.7 s), not 90 s.
+                "JOBSTREAM_PROVIDER_TIMEOUT_S": "6"}
         runner = ProcessRunner(s, tmp_path / "logs")
         url, tenant = s.database_url, f"storm-{uuid.uuid4().hex[:8]}"
         total = 0

@@ -43,11 +43,17 @@ def _running_llm(url: str, tenant: str) -> int:
 @pytest.mark.timeout(600)
 def test_worker_joining_and_killed_mid_call_never_skips_an_offset(settings: Settings,
                                                                    tmp_path: Path) -> None:
-    with FakeProvider({"default": {"latency_s": 1.0}}) as fake:
+    # 0.7 s a call, as in the rebalance storm: the test is bound by the ~120 calls the
+    # survivor makes 4 at a time after the last kill, and events still finish out of order.
+    with FakeProvider({"default": {"latency_s": 0.7}}) as fake:
         s = chaos.chaos_settings(settings, fake.base_url, lease_s=6.0)
         env = {k: v for k, v in chaos.settings_env(s).items() if k.startswith("JOBSTREAM_")}
+        # A killed B's provider slots (the shared limit) are held provider_timeout_s + 30 s:
+        # 36 s with a 6 s timeout (the fake answers in 0.7 s), not the default 90 s, during
+        # which the survivor finds fewer free slots.
         env |= {"JOBSTREAM_LLM_CONCURRENCY": "4", "JOBSTREAM_SWEEP_GRACE_S": "3600",
-                "JOBSTREAM_CONSUMER_SESSION_TIMEOUT_MS": "6000"}
+                "JOBSTREAM_CONSUMER_SESSION_TIMEOUT_MS": "6000",
+                "JOBSTREAM_PROVIDER_TIMEOUT_S": "6"}
         runner = ProcessRunner(s, tmp_path / "logs")
         url, tenant = s.database_url, f"rebalance-{uuid.uuid4().hex[:8]}"
         rng = random.Random(tenant)

@@ -21,6 +21,7 @@ import os
 import signal
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from jobstream.drills import chaos
 from jobstream.drills.fake_provider import FakeProvider
 from jobstream.producer import submit, uploaded_event
 from jobstream.settings import Settings
-from tests.helpers import Proc, ProcessRunner, query, wait_for
+from tests.helpers import Proc, ProcessRunner, query, run_points_concurrently, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -124,8 +125,10 @@ def _attempts(url: str) -> list[dict[str, Any]]:
                       "est_cost_usd FROM provider_attempt ORDER BY attempt_id")
 
 
-#: The issue's reproduction: lease 10 s, sweep grace 10 s, the provider at 2 s a call.
-PAUSED = {"lease_s": 10.0, "sweep_grace_s": 10.0, "llm_concurrency": 1}
+#: The issue's reproduction (lease 10 s, sweep grace 10 s, the provider at 2 s a call) with a
+#: 6 s lease and a 5 s grace: the freeze still outlasts lease + grace (it lasts until the
+#: sweeper fenced the run), only each wait for it is shorter. The lease stays 3x the call.
+PAUSED = {"lease_s": 6.0, "sweep_grace_s": 5.0, "llm_concurrency": 1}
 
 
 def _frozen_until_fenced(rig: Rig, second_worker: bool, *, at_most_s: float) -> None:
@@ -146,17 +149,49 @@ def _frozen_until_fenced(rig: Rig, second_worker: bool, *, at_most_s: float) -> 
         time.sleep(max(0.0, min(rig.s.sweep_grace_s / 2 + 1, deadline - time.monotonic())))
 
 
-@pytest.mark.parametrize("rig", [PAUSED], indirect=True)
-@pytest.mark.parametrize("how,second_worker", [
-    ("fault", False),
+#: The cases of the paused-worker reproduction: (how it freezes, whether a second worker joins).
+PAUSED_CASES = {
+    "fault-point": ("fault", False),
     # Once flaky (~1 in 10 under load): the rebalance after SIGCONT dropped offsets 0 and 1 of
     # the job.chunks_ready partition and nothing rewound to them (streams/offsets.py,
     # rewind_to_committed; tests/integration/test_offsets_rewind.py).
-    ("sigstop", False),
-    ("sigstop", True)],
-                         ids=["fault-point", "sigstop", "sigstop-second-worker-joins"])
-def test_a_paused_worker_never_strands_its_job(rig: Rig, how: str,
-                                               second_worker: bool) -> None:
+    "sigstop": ("sigstop", False),
+    "sigstop-second-worker-joins": ("sigstop", True),
+}
+
+
+@pytest.fixture(scope="module")
+def paused_worker_runs(request: pytest.FixtureRequest, isolated_settings: Any,
+                       tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The selected cases of :data:`PAUSED_CASES`, two at a time (each mostly waits for a lease
+    and the sweeper), each with its own rig (database, topic prefix, fake provider, processes)
+    exactly as the ``rig`` fixture makes it: ``{case: Future[effects]}``; a failed assertion
+    is raised by the case's own test."""
+    def run(case: str) -> dict[str, int]:
+        how, second_worker = PAUSED_CASES[case]
+        with isolated_settings() as base, FakeProvider() as fake:
+            s = chaos.chaos_settings(base, fake.base_url).model_copy(update=PAUSED)
+            rig = Rig(s, fake, tmp_path_factory.mktemp("paused-worker"))
+            try:
+                return _a_paused_worker_never_strands_its_job(rig, how, second_worker)
+            finally:
+                for p in rig.runner.procs:  # a frozen process must wake up to hear SIGTERM
+                    if p.popen.poll() is None:
+                        os.kill(p.popen.pid, signal.SIGCONT)
+                rig.runner.stop_all()
+    with run_points_concurrently(request, "test_a_paused_worker_never_strands_its_job", "case",
+                                 run) as futs:
+        yield futs
+
+
+@pytest.mark.parametrize("case", list(PAUSED_CASES))
+def test_a_paused_worker_never_strands_its_job(paused_worker_runs: dict[str, Any],
+                                               case: str) -> None:
+    print(paused_worker_runs[case].result(timeout=280))
+
+
+def _a_paused_worker_never_strands_its_job(rig: Rig, how: str,
+                                           second_worker: bool) -> dict[str, int]:
     s, url = rig.s, rig.s.database_url
     rig.fake.set_script({"default": {"latency_s": 2}})
     rig.start("relay")
@@ -164,7 +199,7 @@ def test_a_paused_worker_never_strands_its_job(rig: Rig, how: str,
     fault = {"JOBSTREAM_FAULT": "llm_after_provider_before_checkpoint=stop"} if (
         how == "fault") else {}
     worker = rig.start("worker", name="worker-a", **fault)
-    rig.submit(1)
+    rig.submit(1, paragraphs=2)  # two chunks: a call per chunk at 2 s, done twice
     if how == "sigstop":
         wait_for(lambda: query(url, "SELECT 1 FROM provider_attempt WHERE outcome = 'started'"),
                  120, "a provider attempt in flight", rig.runner.logs, every_s=0.1)
@@ -175,7 +210,8 @@ def test_a_paused_worker_never_strands_its_job(rig: Rig, how: str,
         rig.start("worker", name="worker-b")
     # Frozen past lease + sweep grace (the issue froze it 40 s): until the frozen run is fenced
     # (the sweeper re-drove the job, then one more sweeper pass to show it does not re-drive
-    # twice) or, with a second worker, until that worker finished the job; 40 s at most.
+    # twice) or, with a second worker, until that worker finished the job; lease + grace +
+    # 20 s at most.
     _frozen_until_fenced(rig, second_worker, at_most_s=s.lease_s + s.sweep_grace_s + 20)
     os.kill(worker.popen.pid, signal.SIGCONT)
     # The resumed run finds itself fenced (heartbeat, attempt or completion) and discards.
@@ -197,14 +233,16 @@ def test_a_paused_worker_never_strands_its_job(rig: Rig, how: str,
     if how == "sigstop":
         assert any(a["outcome"] in ("discarded", "abandoned") for a in mine), mine
     assert worker.popen.poll() is None, "the resumed worker keeps running"
-    print(effects)
+    return effects
 
 
-@pytest.mark.parametrize("rig", [{"lease_s": 8.0, "sweep_grace_s": 1.0,
+@pytest.mark.parametrize("rig", [{"lease_s": 6.0, "sweep_grace_s": 1.0,
                                   "chunk_size_chars": 4000}], indirect=True)
 def test_a_provider_call_longer_than_the_lease_is_made_once(rig: Rig) -> None:
     url = rig.s.database_url
-    rig.fake.set_script({"default": {"latency_s": 25}})
+    # 2.5 leases: without the heartbeat the lease runs out after 6 s, the sweeper re-drives
+    # it 1 s later and worker B calls the provider a second time while A still waits.
+    rig.fake.set_script({"default": {"latency_s": 15}})
     rig.start("relay")
     rig.start("consume-ready")
     rig.start("worker", name="worker-a")
@@ -226,7 +264,7 @@ def test_a_killed_runs_attempt_is_closed_abandoned(rig: Rig) -> None:
     rig.start("relay")
     rig.start("consume-ready")
     worker = rig.start("worker", name="worker-a")
-    rig.submit(1)
+    rig.submit(1, paragraphs=2)  # two chunks at 3 s a call
     wait_for(lambda: query(url, "SELECT 1 FROM provider_attempt WHERE outcome = 'started'"),
              120, "a provider attempt in flight", rig.runner.logs, every_s=0.1)
     rig.runner.kill9(worker)
@@ -243,10 +281,37 @@ def test_a_killed_runs_attempt_is_closed_abandoned(rig: Rig) -> None:
                       "WHERE outcome = 'started'") == [{"n": 0}]
 
 
+def _pause_s(s: Settings, fault: str) -> float | None:
+    """How long a point stays frozen: a worker's the drill's default (lease + sweep grace +
+    Kafka session + 3 s: its stage is taken over or re-driven meanwhile). The relay and the
+    downstream applier hold no stage lease and the sweeper runs in the (frozen) relay, so for
+    them lease and grace bound nothing: frozen past the Kafka session timeout + 3 s (the
+    applier is evicted from its group and must rejoin; the relay's producer and lock session
+    sit idle as long), 9 s instead of 17 s."""
+    if chaos.owner_of(fault) == "worker":
+        return None
+    return s.consumer_session_timeout_ms / 1000 + 3
+
+
+@pytest.fixture(scope="module")
+def pause_matrix(request: pytest.FixtureRequest, isolated_settings: Any,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The selected points of the pause matrix, two at a time (each frozen ~17 s: lease +
+    sweep grace + session + 3 s, so two freezes overlap), each on its own database, topic
+    prefix, fake provider and processes, exactly as one test of its own would run it:
+    ``{fault: Future[PointResult]}``."""
+    def run(fault: str) -> chaos.PointResult:
+        logdir = tmp_path_factory.mktemp("pause-matrix") / "run"
+        with isolated_settings() as s:
+            return chaos.run_point(s, fault, jobs=3, logdir=logdir, timeout_s=150,
+                                   mode="pause", pause_s=_pause_s(s, fault))
+    with run_points_concurrently(request, "test_pause_matrix_point", "fault", run) as futs:
+        yield futs
+
+
 @pytest.mark.parametrize("fault", chaos.PAUSE_PLAN)
-def test_pause_matrix_point(settings: Settings, tmp_path: Path, fault: str) -> None:
-    result = chaos.run_point(settings, fault, jobs=3, logdir=tmp_path / "run", timeout_s=150,
-                             mode="pause")
+def test_pause_matrix_point(pause_matrix: dict[str, Any], fault: str) -> None:
+    result = pause_matrix[fault].result(timeout=280)
     print(result.report())
     assert result.ok, result.report(tails=True)
     if fault.startswith("llm_"):

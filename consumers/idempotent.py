@@ -787,12 +787,7 @@ class IdempotentConsumer:
                 raise got
             part_ok, applied = got
             if applied:
-                _call(self.hooks.after_apply)
-                last: dict[tuple[str, int], Message] = {}
-                for m in applied:
-                    last[(m.topic() or "", m.partition() or 0)] = m
-                for m in last.values():
-                    self._store_offset(m)
+                self._applied(applied)
             ok = ok and part_ok
         return ok
 
@@ -840,14 +835,19 @@ class IdempotentConsumer:
                 for m in msgs:
                     store(m)
                 return True
-            _call(self.hooks.after_apply)
-            last: dict[tuple[str, int], Message] = {}
-            for m in msgs:
-                last[(m.topic() or "", m.partition() or 0)] = m
-            for m in last.values():
-                self._store_offset(m)
+            self._applied(msgs)
             return True
         return False
+
+    def _applied(self, msgs: list[Message]) -> None:
+        """``msgs`` are committed (applied, duplicates or dead-lettered): run the
+        ``after_apply`` hook, then store the offset after the last of each partition."""
+        _call(self.hooks.after_apply)
+        last: dict[tuple[str, int], Message] = {}
+        for m in msgs:
+            last[(m.topic() or "", m.partition() or 0)] = m
+        for m in last.values():
+            self._store_offset(m)
 
     def _fetch(self, timeout_s: float = 0.5) -> list[Message]:
         """The next message (waiting up to ``timeout_s`` seconds) and those already fetched

@@ -390,3 +390,30 @@ def assert_one_succeeded_attempt_per_chunk(url: str, job_id: Any) -> list[dict[s
     assert sorted((a["chunk_idx"], a["outcome"], a["n"]) for a in attempts) == [
         (c["idx"], "succeeded", 1) for c in chunks], attempts
     return chunks
+
+
+def insert_keyed_rows(url: str, topic: str, keys: list[str], n: int) -> None:
+    """Write ``n`` outbox rows per key of ``keys`` for ``topic`` (one transaction), interleaved
+    by key, each payload ``{"k": key, "n": i}`` with i = 0..n-1 in id order: the backlog of a
+    relay ordering probe (:func:`first_deliveries` reads it back)."""
+    from psycopg.types.json import Jsonb
+
+    from jobstream.db import QUERIES
+    with psycopg.connect(url) as conn, conn.cursor() as cur:
+        cur.executemany(QUERIES["outbox_insert"], [
+            (topic, k, f'{{"k": "{k}", "n": {i}}}'.encode(), Jsonb({"key": k}), uuid.uuid4(),
+             "test.row") for i in range(n) for k in keys])
+
+
+def first_deliveries(settings: Settings, topic: str) -> dict[str, list[int]]:
+    """Key -> the ``n`` of :func:`insert_keyed_rows`' rows in the order of their FIRST
+    delivery on ``topic`` (a re-delivered copy, allowed at-least-once, is left out): per-key
+    order holds when each list is 0..n-1."""
+    firsts: dict[str, list[int]] = {}
+    seen: set[tuple[str, int]] = set()
+    for m in read_topic(settings, topic):
+        key, i = m.key().decode(), int(m.value().decode().split('"n": ')[1].rstrip("}"))
+        if (key, i) not in seen:
+            seen.add((key, i))
+            firsts.setdefault(key, []).append(i)
+    return firsts

@@ -5,16 +5,16 @@ ends with exactly one ``outbox_published`` record (migration 0022) and no outbox
 
 from __future__ import annotations
 
-import uuid
-from collections import defaultdict
-
-import psycopg
 import pytest
-from psycopg.types.json import Jsonb
 
-from jobstream.db import QUERIES as Q
 from jobstream.settings import Settings
-from tests.helpers import ProcessRunner, query, read_topic, wait_for
+from tests.helpers import (
+    ProcessRunner,
+    first_deliveries,
+    insert_keyed_rows,
+    query,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -25,10 +25,7 @@ N = 500  # rows per key
 def test_a_relay_killed_mid_backlog_hands_over_without_loss_or_reorder(
         settings: Settings, procs: ProcessRunner) -> None:
     url, topic = settings.database_url, settings.topic("job.failed")
-    with psycopg.connect(url) as conn, conn.cursor() as cur:
-        cur.executemany(Q["outbox_insert"], [
-            (topic, k, f'{{"k": "{k}", "n": {n}}}'.encode(), Jsonb({"key": k}), uuid.uuid4(),
-             "test.row") for n in range(N) for k in KEYS])
+    insert_keyed_rows(url, topic, KEYS, N)
     env = {"JOBSTREAM_RELAY_BATCH_SIZE": "100",  # a backlog of 20 batches, some in flight
            "JOBSTREAM_RELAY_MAX_IN_FLIGHT": "200"}
     first = procs.start("relay", name="relay-killed",
@@ -40,13 +37,7 @@ def test_a_relay_killed_mid_backlog_hands_over_without_loss_or_reorder(
     procs.start("relay", name="relay-standby", **env)
     wait_for(lambda: not query(url, "SELECT 1 FROM outbox"), 60, "the standby to drain",
              procs.logs)
-    firsts: dict[str, list[int]] = defaultdict(list)
-    seen: set[tuple[str, int]] = set()
-    for m in read_topic(settings, topic):
-        key, n = m.key().decode(), int(m.value().decode().split('"n": ')[1].rstrip("}"))
-        if (key, n) not in seen:
-            seen.add((key, n))
-            firsts[key].append(n)
-    assert {k: firsts[k] for k in KEYS} == {k: list(range(N)) for k in KEYS}
+    firsts = first_deliveries(settings, topic)
+    assert {k: firsts.get(k) for k in KEYS} == {k: list(range(N)) for k in KEYS}
     rec = query(url, "SELECT count(*) AS n, count(DISTINCT id) AS d FROM outbox_published")[0]
     assert rec["n"] == rec["d"] == N * len(KEYS), rec

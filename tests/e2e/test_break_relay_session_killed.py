@@ -12,17 +12,17 @@ once), every row deleted with exactly one ``outbox_published`` record, both rela
 
 from __future__ import annotations
 
-import uuid
-from collections import defaultdict
-
-import psycopg
 import pytest
-from psycopg.types.json import Jsonb
 
-from jobstream.db import QUERIES as Q
 from jobstream.settings import Settings
 from outbox_relay.relay import RELAY_LOCK_ID
-from tests.helpers import ProcessRunner, query, read_topic, wait_for
+from tests.helpers import (
+    ProcessRunner,
+    first_deliveries,
+    insert_keyed_rows,
+    query,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -44,10 +44,7 @@ def _left(url: str) -> int:
 def test_the_relays_lock_session_terminated_mid_backlog_loses_nothing_and_keeps_order(
         settings: Settings, procs: ProcessRunner) -> None:
     url, topic = settings.database_url, settings.topic("job.failed")
-    with psycopg.connect(url) as conn, conn.cursor() as cur:
-        cur.executemany(Q["outbox_insert"], [
-            (topic, k, f'{{"k": "{k}", "n": {n}}}'.encode(), Jsonb({"key": k}), uuid.uuid4(),
-             "test.row") for n in range(N) for k in KEYS])
+    insert_keyed_rows(url, topic, KEYS, N)
     env = {"JOBSTREAM_RELAY_BATCH_SIZE": "50", "JOBSTREAM_RELAY_MAX_IN_FLIGHT": "200"}
     relays = [procs.start("relay", name="relay-a", **env)]
     wait_for(lambda: _lock_holder(url), 30, "a relay holding the lock", procs.logs)
@@ -66,15 +63,9 @@ def test_the_relays_lock_session_terminated_mid_backlog_loses_nothing_and_keeps_
                  "the lock taken again", procs.logs, every_s=0.05)
     assert killed >= 2, "drained before the terminations: probe too small"
     wait_for(lambda: _left(url) == 0, 90, "the outbox drained", procs.logs)
-    firsts: dict[str, list[int]] = defaultdict(list)
-    seen: set[tuple[str, int]] = set()
-    for m in read_topic(settings, topic):
-        key, n = m.key().decode(), int(m.value().decode().split('"n": ')[1].rstrip("}"))
-        if (key, n) not in seen:
-            seen.add((key, n))
-            firsts[key].append(n)
-    assert {k: firsts[k] for k in KEYS} == {k: list(range(N)) for k in KEYS}, \
-        {k: [a for a, b in zip(firsts[k], range(N), strict=False) if a != b][:10]
+    firsts = first_deliveries(settings, topic)
+    assert {k: firsts.get(k) for k in KEYS} == {k: list(range(N)) for k in KEYS}, \
+        {k: [a for a, b in zip(firsts.get(k, []), range(N), strict=False) if a != b][:10]
          for k in KEYS}
     rec = query(url, "SELECT count(*) AS n, count(DISTINCT id) AS d FROM outbox_published")[0]
     assert rec["n"] == rec["d"] == total, rec

@@ -417,3 +417,15 @@ def first_deliveries(settings: Settings, topic: str) -> dict[str, list[int]]:
             seen.add((key, i))
             firsts.setdefault(key, []).append(i)
     return firsts
+
+
+def create_limited_topic(admin: Any, topic: str, max_message_bytes: int,
+                         partitions: int = 1) -> None:
+    """Create ``topic`` with ``admin`` (a confluent-kafka AdminClient) at the topic limit
+    ``max_message_bytes`` (bytes; below the producer's ``message.max.bytes`` it is a "narrow"
+    topic for the relay) and wait (30 s) until the broker's metadata lists it."""
+    from confluent_kafka.admin import NewTopic
+    admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1,
+                                  config={"max.message.bytes": str(max_message_bytes)})]
+                        )[topic].result(30)
+    wait_for(lambda: topic in admin.list_topics(timeout=10).topics, 30, f"topic {topic}")

@@ -25,7 +25,7 @@ from psycopg.types.json import Jsonb
 from jobstream.db import QUERIES as Q
 from jobstream.kafka import base_config
 from jobstream.settings import Settings
-from tests.helpers import ProcessRunner, query, read_topic, wait_for
+from tests.helpers import ProcessRunner, create_limited_topic, query, read_topic, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -46,9 +46,7 @@ def _unpublished(url: str) -> int:
 
 
 def _create(admin: AdminClient, topic: str) -> None:
-    admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1,
-                                  config={"max.message.bytes": str(LIMIT)})])[topic].result(30)
-    wait_for(lambda: topic in admin.list_topics(timeout=10).topics, 30, "the topic")
+    create_limited_topic(admin, topic, LIMIT)
 
 
 def test_narrow_topic_deleted_and_recreated_within_the_grace(

@@ -24,13 +24,20 @@ import uuid
 
 import psycopg
 import pytest
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient
 from psycopg.types.json import Jsonb
 
 from jobstream.db import QUERIES as Q
 from jobstream.kafka import base_config
 from jobstream.settings import Settings
-from tests.helpers import ProcessRunner, query, read_topic, set_topic_config, wait_for
+from tests.helpers import (
+    ProcessRunner,
+    create_limited_topic,
+    query,
+    read_topic,
+    set_topic_config,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -52,9 +59,7 @@ def test_a_narrow_topics_limit_lowered_while_the_relay_runs_keeps_the_key_order(
         settings: Settings, procs: ProcessRunner) -> None:
     url, topic = settings.database_url, settings.topic("break.narrower")
     admin = AdminClient(base_config(settings))
-    admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1,
-                                  config={"max.message.bytes": str(WAS)})])[topic].result(30)
-    wait_for(lambda: topic in admin.list_topics(timeout=10).topics, 30, "the topic")
+    create_limited_topic(admin, topic, WAS)
     relay = procs.start("relay", JOBSTREAM_KAFKA_EXTRA=json.dumps({"batch.num.messages": 3}))
     _insert(url, topic, [-1])
     wait_for(lambda: not query(url, "SELECT 1 FROM outbox"), 60, "the first row published",

@@ -27,13 +27,13 @@ from typing import Any
 import psycopg
 import pytest
 from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient
 from psycopg.types.json import Jsonb
 
 from jobstream.db import QUERIES as Q
 from jobstream.kafka import base_config, producer_config
 from jobstream.settings import Settings
-from tests.helpers import ProcessRunner, query, read_topic, wait_for
+from tests.helpers import ProcessRunner, create_limited_topic, query, read_topic, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -55,9 +55,7 @@ def _rows(seed: int) -> list[tuple[bytes, dict[str, str]]]:
 
 
 def _create(admin: AdminClient, topic: str) -> None:
-    admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1,
-                                  config={"max.message.bytes": str(LIMIT)})])[topic].result(30)
-    wait_for(lambda: topic in admin.list_topics(timeout=10).topics, 30, "the topic")
+    create_limited_topic(admin, topic, LIMIT)
 
 
 def _deliverable_alone(settings: Settings, topic: str,

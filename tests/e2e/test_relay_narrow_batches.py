@@ -24,7 +24,7 @@ from jobstream.db import QUERIES as Q
 from jobstream.kafka import base_config
 from jobstream.settings import Settings
 from outbox_relay.relay import narrow_batch_bytes, record_bytes
-from tests.helpers import ProcessRunner, query, read_topic, wait_for
+from tests.helpers import ProcessRunner, create_limited_topic, query, read_topic, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -43,9 +43,7 @@ def test_a_narrow_topic_is_batched_and_only_a_row_it_refuses_is_parked(
         settings: Settings, procs: ProcessRunner) -> None:
     url, topic = settings.database_url, settings.topic("narrow.batches")
     admin = AdminClient(base_config(settings))
-    admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1,
-                                  config={"max.message.bytes": str(LIMIT)})])[topic].result(30)
-    wait_for(lambda: topic in admin.list_topics(timeout=10).topics, 30, "the topic")
+    create_limited_topic(admin, topic, LIMIT)
     payloads = [_payload(i) for i in range(ROWS)]
     big = {i for i, p in enumerate(payloads)
            if record_bytes((0, topic, "job-1", p, {"n": str(i)}, "t")) > narrow_batch_bytes(LIMIT)}

@@ -21,7 +21,7 @@ from collections import Counter
 
 import psycopg
 import pytest
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient
 from psycopg.types.json import Jsonb
 
 from jobstream.db import QUERIES as Q
@@ -31,7 +31,7 @@ from jobstream.store import Store
 from schemas.events import DocumentRef, DocumentUploaded, DocumentUploadedPayload
 from streams.context import StageContext
 from streams.intake import handle_intake
-from tests.helpers import ProcessRunner, query, read_topic, wait_for
+from tests.helpers import ProcessRunner, create_limited_topic, query, read_topic, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -70,10 +70,7 @@ def _outbox(settings: Settings, topic: str, bad_size: int, job_id: uuid.UUID) ->
 
 def _create_topic(settings: Settings, name: str, max_message_bytes: int) -> None:
     admin = AdminClient(base_config(settings))
-    fut = admin.create_topics([NewTopic(name, num_partitions=3, replication_factor=1,
-                                        config={"max.message.bytes": str(max_message_bytes)})])
-    fut[name].result(30)
-    wait_for(lambda: name in admin.list_topics(timeout=10).topics, 30, f"topic {name}")
+    create_limited_topic(admin, name, max_message_bytes, partitions=3)
 
 
 def _check(settings: Settings, procs: ProcessRunner, topic: str, job_id: uuid.UUID,

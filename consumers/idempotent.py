@@ -139,8 +139,6 @@ class Hooks:
     in_transaction: Callable[[], None] | None = None
 
 
-#: A statement run after a pipeline, so Postgres arms the transaction's idle timeout again.
-REARM_IDLE_TIMEOUT = "SELECT 1"
 _MISSING = object()
 
 
@@ -589,13 +587,15 @@ class IdempotentConsumer:
                     self._batch_handlers[one](conn, [ev for _, ev in todo] if prepare is None
                                               else self._prepared_values(msgs, todo, prepare))
                 else:
-                    with conn.pipeline():
-                        for _, ev in todo:
-                            self._handlers[ev.event_type](conn, ev)
-                    # Postgres arms idle_in_transaction_session_timeout only after a
-                    # statement outside a pipeline: without one, a consumer frozen before the
-                    # COMMIT kept this batch's rows (and the next owner waiting) for good.
-                    conn.execute(REARM_IDLE_TIMEOUT)
+                    # Not in a psycopg pipeline (it saved a round trip per statement): a
+                    # statement sent in pipeline mode leaves the backend ``active``
+                    # (ClientRead) until a Sync, and psycopg's Flush request after a Sync
+                    # disarms the timer, so idle_in_transaction_session_timeout never ended
+                    # the session of a consumer frozen between or inside its handlers: it kept
+                    # the batch's rows, and the next owner waiting, for good
+                    # (tests/e2e/test_break_consumer_pipeline*.py).
+                    for _, ev in todo:
+                        self._handlers[ev.event_type](conn, ev)
                 _call(self.hooks.in_transaction)
                 for i, ev in todo:
                     outcomes[i] = "applied"

@@ -125,6 +125,9 @@ BINARY_SNIFF_BYTES = 8000
 #: DEL; C1) above this share of the sniffed text make it binary.
 BINARY_CONTROL_SHARE = 0.1
 _TEXT_CONTROLS = frozenset(b"\t\n\x0b\x0c\r\x1b")
+#: The control characters that count towards :data:`BINARY_CONTROL_SHARE`: C0 except
+#: :data:`_TEXT_CONTROLS`, DEL and C1 (one regex pass: 8 KB in ~20 us, not ~400 us; issue 12).
+_BINARY_CONTROLS = re.compile("[\x00-\x08\x0e-\x1a\x1c-\x1f\x7f-\x9f]")
 
 
 def _refuse_binary(content: bytes) -> None:
@@ -148,8 +151,7 @@ def _refuse_binary(content: bytes) -> None:
         except UnicodeDecodeError as exc:  # a multi-byte character cut at the sniff's end
             sample = head[:exc.start].decode("utf-8") if exc.start > len(head) - 4 else \
                 head.decode("latin-1")
-        controls = sum(1 for ch in sample if (ord(ch) < 0x20 and ord(ch) not in _TEXT_CONTROLS)
-                       or 0x7f <= ord(ch) <= 0x9f)
+        controls = len(_BINARY_CONTROLS.findall(sample))
         if sample and controls / len(sample) > BINARY_CONTROL_SHARE:
             why = f"{controls} of its first {len(sample)} characters are control characters"
     if why:

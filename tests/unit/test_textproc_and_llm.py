@@ -162,3 +162,28 @@ def test_the_words_of_a_text_are_its_sentences_words_in_order(text: str) -> None
     from jobstream.llm.local import sentences, words
     flat = " ".join(text.split())
     assert [w for s in sentences(flat) for w in words(s)] == words(text)
+
+
+@pytest.mark.parametrize("text", [
+    "Don't re-use X-1, a-b 3d o'clock; ABC--def ab-'cd x'-y 'quoted' end.",
+    "Copyright (C) 2007 Free Software Foundation, Inc. <https://fsf.org/> e.g. this 3rd x9y",
+    "MIT-licensed -leading trailing- it''s don''t a'b'c 1st 2nd version2 v2.0 UPPER Mixed",
+    "".join(chr(random.Random(7).randrange(32, 127)) for _ in range(3000)),
+])
+def test_ascii_fast_path_finds_the_same_words_as_the_general_tokeniser(text: str) -> None:
+    """Issue 12: :func:`words` takes one regex pass over lower-cased ASCII text; the words
+    must be exactly those the general (any-script) tokeniser finds."""
+    from jobstream.llm.local import _words_any, words
+    assert text.isascii()
+    assert words(text) == _words_any(text)
+    assert words(text)  # something was found
+
+
+def test_binary_sniff_counts_the_same_control_characters() -> None:
+    """Issue 12: the control-character share of the binary sniff is one regex pass; it must
+    count exactly C0 but tab, LF, VT, FF, CR and ESC, plus DEL and C1."""
+    from jobstream import textproc
+    for c in range(0x300):
+        counted = bool(textproc._BINARY_CONTROLS.fullmatch(chr(c)))
+        assert counted == ((c < 0x20 and c not in textproc._TEXT_CONTROLS)
+                           or 0x7f <= c <= 0x9f), hex(c)

@@ -19,6 +19,7 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any, TypeVar
 
+import orjson
 import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
@@ -277,6 +278,16 @@ def outbox_message(topic: str, event: BaseModel) -> OutboxMessage:
     return OutboxMessage(topic, str(job_id or ev.idempotency_key), encode_event(event), headers)
 
 
+def _loads_event(value: bytes) -> dict[str, Any]:
+    """An outbox message's value (an encoded event, JSON) as a dict: orjson (~5x faster than
+    ``json``; issue 12), ``json`` for what orjson refuses (an integer past 64 bits)."""
+    try:
+        ev: dict[str, Any] = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        ev = json.loads(value)
+    return ev
+
+
 class _StepRaised(Exception):  # noqa: N818 - a signal inside the store, not an error
     """A step of a savepoint-free shared stage transaction raised: the transaction rolls back
     and its steps run again, a savepoint each (:meth:`Store.claim_and_complete_many`)."""
@@ -395,7 +406,7 @@ class Store:
         current span (:func:`jobstream.tracing.current`), or with no span in force (sweeper,
         redrive) one in the job's stored trace, so every event of a job shares its trace-id.
         """
-        ev = json.loads(msg.value)
+        ev = _loads_event(msg.value)
         conn.execute(Q["outbox_insert"], (msg.topic, msg.key, msg.value,
                                           Jsonb(Store._outbox_headers(conn, msg, ev)),
                                           ev["event_id"], ev["event_type"]))
@@ -672,11 +683,12 @@ class Store:
             STAGES[0], PIPELINE.stages[0].code_version, ids,
             [jobs[i]["document_sha256"] for i in made],
             [json.dumps({"filename": jobs[i]["filename"]}) for i in made], emitted))
-        ev_meta = [json.loads(m.value) for m in msgs]
+        # The event's id and type from the headers outbox_message set from the same event
+        # (not a second JSON parse of every value).
         conn.execute(Q["intake_batch_outbox_insert"], (
             [m.topic for m in msgs], [m.key for m in msgs], [m.value for m in msgs],
-            [json.dumps(m.headers) for m in msgs], [e["event_id"] for e in ev_meta],
-            [e["event_type"] for e in ev_meta]))
+            [json.dumps(m.headers) for m in msgs], [m.headers["event_id"] for m in msgs],
+            [m.headers["event_type"] for m in msgs]))
 
     def _intake_alone(self, it: IntakeIntent) -> IntakeResult | Exception:
         """:meth:`intake` of one intent of a batch whose commit failed; its exception returned."""
@@ -985,7 +997,7 @@ class Store:
                                "discarded")
         # The fenced checkpoint, the job's advance (or success, with a charge), the next
         # event's outbox row and the idempotent-consumer row in one statement.
-        ev = json.loads(next_msg.value)
+        ev = _loads_event(next_msg.value)
         row = conn.execute(Q["complete_stage_emit"], {
             "output": Jsonb(output), "input_hash": input_hash, "code_version": code_version,
             "cost_usd": cost_usd, "job_id": job_id, "stage": claim.stage,

@@ -304,7 +304,8 @@ class Store:
     def __init__(self, url: str, *, max_size: int = 8, min_size: int = 0,
                  max_idle_s: float = 30.0, timeout_s: float = 30.0,
                  name: str = "jobstream", check_idle_s: float = 1.0,
-                 prepare_threshold: int | None = 0) -> None:
+                 prepare_threshold: int | None = 0, plan_cache_mode: str | None = None
+                 ) -> None:
         """A pool of at most ``max_size`` connections (``min_size`` kept open; one idle for
         ``max_idle_s`` seconds is closed, so an idle process gives its connections back);
         callers wait up to ``timeout_s`` seconds for one. ``name`` is the connections'
@@ -312,17 +313,22 @@ class Store:
         more than ``check_idle_s`` seconds is checked (an empty query) before it is handed
         out; one reused sooner is not (see ``db_pool_check_idle_s``). A statement is
         prepared on a connection after ``prepare_threshold`` executions on it (0: at once;
-        None: never; ``db_prepare_threshold``)."""
+        None: never; ``db_prepare_threshold``). ``plan_cache_mode``: the connections'
+        Postgres ``plan_cache_mode`` (None: the server's; ``db_worker_plan_cache_mode``)."""
         self.url = url
         self.timeout_s = timeout_s
         self.check_idle_s = check_idle_s
         self._last_used: dict[int, float] = {}
+        kwargs: dict[str, Any] = {"row_factory": dict_row, "connect_timeout": 10,
+                                  "application_name": name,
+                                  "prepare_threshold": prepare_threshold}
+        if plan_cache_mode is not None:  # set at connect: no statement per connection
+            given = psycopg.conninfo.conninfo_to_dict(url).get("options")  # the URL's kept
+            kwargs["options"] = " ".join(filter(None, [
+                str(given or ""), f"-c plan_cache_mode={plan_cache_mode}"]))
         self.pool: ConnectionPool[Conn] = ConnectionPool(
             url, min_size=min_size, max_size=max_size, connection_class=Conn,
-            max_idle=max_idle_s, open=True,
-            kwargs={"row_factory": dict_row, "connect_timeout": 10, "application_name": name,
-                    "prepare_threshold": prepare_threshold},
-            check=self._check)
+            max_idle=max_idle_s, open=True, kwargs=kwargs, check=self._check)
 
     def _check(self, conn: Conn) -> None:
         """The pool's check on hand-out: only for a connection idle over ``check_idle_s``."""
@@ -332,12 +338,15 @@ class Store:
     @classmethod
     def for_process(cls, settings: Any, process: str, max_size: int) -> Store:
         """The pool of one process (``worker``, ``api``, ``relay``…) sized by the
-        ``db_pool_*`` settings (the connection budget, README "Connection budget")."""
+        ``db_pool_*`` settings (the connection budget, README "Connection budget"); the
+        ``worker``'s connections plan with ``db_worker_plan_cache_mode``."""
         return cls(settings.database_url, max_size=max_size,
                    min_size=min(settings.db_pool_min_size, max_size),
                    max_idle_s=settings.db_pool_max_idle_s, timeout_s=settings.db_pool_timeout_s,
                    name=f"jobstream-{process}", check_idle_s=settings.db_pool_check_idle_s,
-                   prepare_threshold=settings.db_prepare_threshold)
+                   prepare_threshold=settings.db_prepare_threshold,
+                   plan_cache_mode=(settings.db_worker_plan_cache_mode
+                                    if process == "worker" else None))
 
     @contextmanager
     def connection(self) -> Iterator[Conn]:

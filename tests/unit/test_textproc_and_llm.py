@@ -187,3 +187,19 @@ def test_binary_sniff_counts_the_same_control_characters() -> None:
         counted = bool(textproc._BINARY_CONTROLS.fullmatch(chr(c)))
         assert counted == ((c < 0x20 and c not in textproc._TEXT_CONTROLS)
                            or 0x7f <= c <= 0x9f), hex(c)
+
+
+def test_paragraphs_are_the_spans_of_the_old_pattern() -> None:
+    """Issue 12: :func:`jobstream.textproc.paragraphs` replaced a lazy regex that tried its
+    look-ahead at every character; it must find exactly the same spans, quirks included (a
+    one-character paragraph runs on to the next paragraph's end; trailing blanks on a line
+    do not end a paragraph; Unicode whitespace counts as blank)."""
+    from jobstream.textproc import paragraphs
+    old = re.compile(r"\S(?:.*?\S)?(?=\n\s*\n|\s*\Z)", re.S)
+    rnd = random.Random(12)
+    pieces = ["a", "b.", " ", "\n", "\t", "\r", "\u00a0", "\u2003", "\x0b", "\x0c", "\u2028",
+              "\x1c", "é", "\n\n", " \n", "\n \n", "word "]
+    texts = ["", "x", "x\n\ny", "a \n\nb", "b\n \n.c\n\n", "  one\n\n\n two  \n\n"]
+    texts += ["".join(rnd.choice(pieces) for _ in range(rnd.randrange(40))) for _ in range(5000)]
+    for text in texts:
+        assert paragraphs(text) == [m.span() for m in old.finditer(text)], repr(text)

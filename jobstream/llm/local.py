@@ -57,7 +57,12 @@ _END = re.compile(r"[.!?؟。！？]+[\"')\]»”’]*(?:\s+|(?<=[。！？])(?=
 #: keep their class and length when lower-cased; no ``’`` in ASCII). Twice as fast (issue 12).
 _TOKEN_ASCII = re.compile(r"[a-z](?:[a-z0-9]+|['-](?=[a-z]))*", re.ASCII)
 _VERSION = re.compile(r"\bVersion\s+(\d+(?:\.\d+)*)", re.I)
-_YEAR = re.compile(r"\b(?:19|20)\d\d\b", re.ASCII)
+#: :data:`_VERSION` on ASCII text already lower-cased, with the literal first (the regex
+#: engine skips to it; ``\b`` checked behind it): 2 us on 3 KB instead of 30 (issue 12).
+_VERSION_ASCII = re.compile(r"version(?<=\bversion)\s+(\d+(?:\.\d+)*)")
+#: ``\b(?:19|20)\d\d\b`` with the word boundary checked behind the first two digits (the
+#: same matches; 13 us on 3 KB instead of 22).
+_YEAR = re.compile(r"(?:19|20)(?<=\b\d\d)\d\d\b", re.ASCII)
 _URL = re.compile(r"https?://[^\s<>\"]+")
 _EMAIL = re.compile(r"\b[\w.+-]+@[\w-]+\.[\w.-]+\b")
 
@@ -127,7 +132,9 @@ def analyse(text: str, max_keywords: int = 8, max_sentences: int = 2) -> dict[st
     summary = " ".join(candidates[i][:400] for i in sorted(top)) or flat[:400]
     first_line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
     fields: dict[str, Any] = {}
-    if m := _VERSION.search(text):
+    # On ASCII text (no non-ASCII letter can match case-insensitively) the same search runs
+    # case-sensitively on the lower-cased text, whose offsets and digits are the text's.
+    if m := (_VERSION_ASCII.search(text.lower()) if text.isascii() else _VERSION.search(text)):
         fields["version"] = m.group(1)
     if years := sorted(set(_YEAR.findall(text))):
         fields["years"] = years[:10]

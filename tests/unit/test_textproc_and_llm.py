@@ -203,3 +203,20 @@ def test_paragraphs_are_the_spans_of_the_old_pattern() -> None:
     texts += ["".join(rnd.choice(pieces) for _ in range(rnd.randrange(40))) for _ in range(5000)]
     for text in texts:
         assert paragraphs(text) == [m.span() for m in old.finditer(text)], repr(text)
+
+
+@pytest.mark.parametrize("text", [
+    "GNU GENERAL PUBLIC LICENSE VERSION 3, 29 June 2007; (c) 1999-2020, 2100, 19999, x1999",
+    "subversion 2 is no version; then vErSiOn\n4.1.2. and Version 5", "version 7_2019 _2020",
+    "Verſion 3 (a long s matches case-insensitively) from 2001", "Version İ 9 2024 ٢٠٢٤",
+    "no fields here at all",
+])
+def test_version_and_years_fields_match_the_original_patterns(text: str) -> None:
+    """Issue 12: the ``version`` and ``years`` fields use faster patterns (a case-sensitive
+    search on lower-cased ASCII text, the word boundary checked behind the digits); they must
+    give what the original case-insensitive / boundary-first patterns give."""
+    fields = analyse(text)["fields"]
+    m = re.search(r"\bVersion\s+(\d+(?:\.\d+)*)", text, flags=re.I)
+    assert fields.get("version") == (m.group(1) if m else None)
+    years = sorted(set(re.findall(r"\b(?:19|20)\d\d\b", text, flags=re.ASCII)))[:10]
+    assert fields.get("years") == (years or None)

@@ -189,10 +189,13 @@ def fresh_database(endpoints: Endpoints, template_db: str, dropper: _Dropper) ->
 @contextmanager
 def make_settings(endpoints: Endpoints, database_url: str) -> Iterator[Settings]:
     """Settings on ``database_url`` with their own topic prefix (topics created, deleted
-    afterwards) and the suite's short timeouts."""
+    afterwards) and the suite's short timeouts. A killed or frozen worker's provider slots
+    free ``provider_timeout_s`` + 5 s after they were taken (default + 30 s): the fake
+    providers answer on loopback, and a restarted worker need not wait 25 s more for them."""
     s = Settings(database_url=database_url, kafka_bootstrap_servers=endpoints.kafka,
                  topic_prefix=f"t{uuid.uuid4().hex[:8]}.", consumer_session_timeout_ms=6000,
-                 relay_poll_interval_s=0.2, lease_s=30.0, provider_backoff_base_s=0.05)
+                 relay_poll_interval_s=0.2, lease_s=30.0, provider_backoff_base_s=0.05,
+                 provider_slot_margin_s=5.0)
     ensure_topics(s)
     try:
         yield s
@@ -234,7 +237,9 @@ def isolated_settings(endpoints: Endpoints, template_db: str,
 
 @pytest.fixture
 def procs(settings: Settings, tmp_path) -> Iterator[ProcessRunner]:
-    """Starts jobstream processes for the test and kills whatever is left at teardown."""
+    """Starts jobstream processes for the test and kills (SIGKILL) whatever is left at
+    teardown (``ProcessRunner.kill_all``: the test is over, a graceful stop would only cost
+    time)."""
     runner = ProcessRunner(settings, tmp_path / "logs")
     yield runner
-    runner.stop_all()
+    runner.kill_all()

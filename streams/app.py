@@ -20,6 +20,7 @@ from jobstream.store import Store
 from schemas.pipeline import PIPELINE, Pipeline
 from streams import delivery, offsets, records
 from streams.context import StageContext
+from streams.tables import NoTablesManager
 
 
 def agents(pipeline: Pipeline = PIPELINE) -> dict[str, Callable[[faust.App, StageContext], Any]]:
@@ -96,6 +97,7 @@ def create_app(settings: Settings, stages: Iterable[str] | None = None,
         # wait for running stage work (it is redelivered), and faust prints no actor
         # tracebacks while it would wait.
         stream_wait_empty=False,
+        TableManager=NoTablesManager,  # no faust tables: no 1 s start-up pause for them
     )
     offsets.install(app)
     ctx = StageContext(settings=settings, store=store or Store.for_process(

@@ -46,7 +46,8 @@ def test_a_rebalance_storm_with_frozen_and_killed_workers_never_skips_an_offset(
                 "JOBSTREAM_SWEEP_STALL_GRACE_S": "3600",
                 "JOBSTREAM_CONSUMER_SESSION_TIMEOUT_MS": "6000",
                 # A killed C's provider slots (the shared limit) are held provider_timeout_s
-                # + 30 s: 36 s with a 6 s timeout (the fake answers in 0.7 s), not 90 s.
+                # + provider_slot_margin_s: 11 s with a 6 s timeout (the fake answers in
+                # 0.7 s) and the suite's 5 s margin, not 90 s.
                 "JOBSTREAM_PROVIDER_TIMEOUT_S": "6"}
         runner = ProcessRunner(s, tmp_path / "logs")
         url, tenant = s.database_url, f"storm-{uuid.uuid4().hex[:8]}"

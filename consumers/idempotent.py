@@ -23,16 +23,16 @@ partition.
 Batches: the messages already fetched when one arrives (up to ``batch_size``) are applied in
 ONE transaction: one multi-row ``processed_event`` insert (``INSERT ... SELECT FROM unnest(...)
 ON CONFLICT DO NOTHING RETURNING``) tells which keys are new, the handler runs for the first
-copy of each new key -- the batch handler (:meth:`IdempotentConsumer.on_batch`, e.g. one binary
-``COPY`` per table) once for all of them, else the per-event handler for each, its statements
-pipelined -- one commit, then the poison ones of the batch are dead-lettered and the offsets
-stored. If the handler raises, the batch is rolled back and split in halves, each applied on
-its own, down to one message per transaction, so a bad message costs only itself and its
-neighbours are applied exactly once. With ``decode_ahead`` (the default) the next batch is
-fetched before this one is applied and a second thread decodes it while this one is in
-Postgres (it only reads message values: the Kafka consumer and Postgres stay in one thread),
-computes its dedup-key digests and runs the batch handler's ``prepare`` on each event (e.g.
-the ready applier's binary COPY rows, :meth:`IdempotentConsumer.on_batch`).
+copy of each new key -- the batch handler (:meth:`IdempotentConsumer.on_batch`, e.g. one
+prepared ``INSERT ... SELECT FROM unnest`` per table) once for all of them, else the per-event
+handler for each, its statements pipelined -- one commit, then the poison ones of the batch are
+dead-lettered and the offsets stored. If the handler raises, the batch is rolled back and split
+in halves, each applied on its own, down to one message per transaction, so a bad message costs
+only itself and its neighbours are applied exactly once. With ``decode_ahead`` (the default)
+the next batch is fetched before this one is applied and a second thread decodes it while this
+one is in Postgres (it only reads message values: the Kafka consumer and Postgres stay in one
+thread), computes its dedup-key digests and runs the batch handler's ``prepare`` on each event
+(e.g. the ready applier's binary rows, :meth:`IdempotentConsumer.on_batch`).
 
 Apply lanes (``settings.apply_lanes``, 2 by default): a fetched batch of at least
 ``settings.apply_lanes_min_batch`` messages (200) is split by partition
@@ -365,9 +365,13 @@ class IdempotentConsumer:
         --------
         >>> @consumer.on_batch(JobReady)
         ... def apply_many(tx, events: list[JobReady]) -> None:
-        ...     with tx.cursor().copy("COPY ledger (dedup_key) FROM STDIN") as cp:
-        ...         for ev in events:
-        ...             cp.write_row((ev.dedup_key,))
+        ...     tx.execute("INSERT INTO ledger (dedup_key) SELECT unnest(%s::text[])",
+        ...                ([ev.dedup_key for ev in events],), prepare=True)
+
+        Send the rows as parameters of a prepared statement (``prepare=True``), not with
+        ``COPY ... FROM STDIN``: a consumer frozen mid-COPY keeps its session ``active``, which
+        ``transaction_idle_timeout_s`` does not end, holding the batch's dedup rows (and the
+        partitions' next owner) for as long as it is frozen.
         """
         fields = getattr(event_class, "model_fields", {})
         event_type = fields["event_type"].default if "event_type" in fields else None
@@ -641,6 +645,12 @@ class IdempotentConsumer:
         ``first``: key -> its first copy. Raises ``psycopg.Error`` (an event id reused by
         another key: ``UniqueViolation``, the batch is then split)."""
         events = [ev for _, ev in first.values()]
+        # Prepared on first use (prepare=True): the keys then arrive in a Bind message right
+        # after a ReadyForQuery, read while the session is "idle in transaction", so a
+        # consumer frozen while sending them is ended by idle_in_transaction_session_timeout
+        # (an unprepared statement's Parse comes first and the timeout is not armed again
+        # before its Bind). The batch handler's statements should do the same
+        # (jobstream.ready_applier.apply_ready_rows).
         cur = conn.cursor(row_factory=tuple_row)
         keys = [e.dedup_key for e in events]
         types = [e.event_type for e in events]
@@ -654,11 +664,11 @@ class IdempotentConsumer:
                 new = {by_digest[d] for d, in cur.execute(
                     sql.SQL(RECORD_PROCESSED_BATCH_DIGEST).format(table=self._table),
                     (self.group, digests, keys, types, [e.event_id for e in events],
-                     [e.job_id for e in events]), binary=True).fetchall()}
+                     [e.job_id for e in events]), binary=True, prepare=True).fetchall()}
             else:
                 new = set(cur.execute(sql.SQL(RECORD_PROCESSED_BATCH).format(table=self._table), (
                     self.group, keys, types, [e.event_id for e in events],
-                    [e.job_id for e in events])).fetchall())
+                    [e.job_id for e in events]), prepare=True).fetchall())
         return [(i, ev) for key, (i, ev) in first.items() if key in new]
 
     def _digest(self, event_type: str, dedup_key: str) -> bytes:

@@ -1,17 +1,21 @@
-"""Breaker6: a ``consume-ready`` frozen (SIGSTOP, a VM pause) in the middle of its binary
-``COPY ... FROM STDIN`` (the ready applier's batch path, ``apply_ready_rows``), with real
-consumer processes, the broker and Postgres.
+"""Breaker6: a ``consume-ready`` frozen (SIGSTOP, a VM pause) inside the ready applier's batch
+apply statement (``apply_ready_rows``), with real consumer processes, the broker and Postgres.
 
-The batch's ``processed_event`` rows are inserted before the COPY, in the same transaction.
-A session waiting for COPY data from its client is ``active`` (``ClientRead``), not idle in
-transaction, so ``idle_in_transaction_session_timeout`` (the library's bound for a paused
-consumer, ``transaction_idle_timeout_s``) never ends it, and ``statement_timeout`` is not acted
-on while the backend waits for the client (checked by hand: the lock stays until the client
-writes again). The partitions' next owner waits on those rows for as long as the process is
-frozen: nothing applied on the batch's partitions (seen 1 run in 5 with a SIGSTOP at an
-arbitrary moment of a backlog; made deterministic here by holding a SHARE lock on the analysis
-table so the consumer's COPY waits to start, freezing the consumer there, then releasing it:
-the server enters COPY IN and waits for data that never comes).
+The batch's ``processed_event`` rows are inserted before the effect rows, in the same
+transaction, so a frozen consumer holds them, and the partitions' next owner waits on them,
+until its session ends. The effect rows used to be written with a binary ``COPY ... FROM
+STDIN``: a session waiting for COPY data is ``active`` (``ClientRead``), so
+``idle_in_transaction_session_timeout`` (the library's bound for a paused consumer,
+``transaction_idle_timeout_s``) never ended it and the partitions stayed held for as long as
+the process was frozen (seen 1 run in 5 with a SIGSTOP at an arbitrary moment of a backlog).
+Now each table gets one prepared ``INSERT ... SELECT * FROM unnest($1::<row type>[])``: once
+the statement has run, the session is idle in transaction and the timeout ends it; a freeze
+while its parameters are being sent is bounded the same way (the Bind of a prepared statement
+follows a ReadyForQuery: checked by hand, docs/design-notes.md "A consumer frozen mid-apply").
+
+Made deterministic by holding a SHARE lock on the analysis table so the consumer's INSERT waits
+to start, freezing the consumer there, then releasing it: the INSERT completes and its answer
+waits for a client that does not read it.
 """
 
 from __future__ import annotations
@@ -33,18 +37,16 @@ pytestmark = pytest.mark.e2e
 N = 300
 
 
-def _copy_session(url: str, wait_event: str) -> list[dict[str, object]]:
+def _apply_session(url: str, *, state: str, wait_event: str | None
+                   ) -> list[dict[str, object]]:
+    # the apply statement, or the binary COPY it replaced (so the probe still fails with it)
     return query(url, "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
-                      "AND query LIKE 'COPY downstream.document_analysis%%' "
-                      "AND wait_event = %s", (wait_event,))
+                      "AND query ~ '^(INSERT INTO|COPY) downstream\\.document_analysis' "
+                      "AND state = %s AND wait_event IS NOT DISTINCT FROM %s",
+                 (state, wait_event))
 
 
-@pytest.mark.xfail(strict=True, reason="a consumer frozen mid-COPY FROM STDIN holds its batch's "
-                   "processed_event rows for as long as it is frozen (no server-side bound: "
-                   "the session is active, ClientRead); the fix (COPY into a session-private "
-                   "temp table before the batch transaction, or INSERT ... SELECT FROM unnest "
-                   "instead of COPY) is the consumer path's owner's call")
-def test_a_consumer_frozen_mid_copy_does_not_hold_the_partitions(
+def test_a_consumer_frozen_mid_apply_does_not_hold_the_partitions(
         settings: Settings, procs: ProcessRunner) -> None:
     url, topic = settings.database_url, settings.topic("job.ready")
     producer = Producer(producer_config(settings))
@@ -58,16 +60,19 @@ def test_a_consumer_frozen_mid_copy_does_not_hold_the_partitions(
     blocker.execute("LOCK TABLE downstream.document_analysis IN SHARE MODE")
     frozen = procs.start("consume-ready", name="consumer-frozen", **env)
     try:
-        wait_for(lambda: _copy_session(url, "relation"), 60,
-                 "the consumer's COPY waiting to start", procs.logs, every_s=0.05)
+        waiting = wait_for(lambda: _apply_session(url, state="active", wait_event="relation"),
+                           60, "the consumer's apply statement waiting to start", procs.logs,
+                           every_s=0.05)
         os.kill(frozen.popen.pid, signal.SIGSTOP)
-        blocker.rollback()  # the COPY starts; its client is frozen
-        wait_for(lambda: _copy_session(url, "ClientRead"), 30,
-                 "the frozen consumer's session inside COPY FROM STDIN", procs.logs)
+        blocker.rollback()  # the INSERT runs; its client is frozen
         procs.start("consume-ready", name="consumer-next", **env)
         wait_for(lambda: int(query(url, "SELECT count(*) AS n FROM processed_event")[0]["n"])
                  == N, 25, "the next owner to apply every event while the first consumer "
-                 "is frozen mid-COPY", procs.logs, every_s=0.5)
+                 "is frozen mid-apply", procs.logs, every_s=0.5)
+        # the frozen consumer's session was ended (idle_in_transaction_session_timeout)
+        wait_for(lambda: not query(url, "SELECT 1 FROM pg_stat_activity WHERE pid = %s",
+                                   (waiting[0]["pid"],)), 10,
+                 "the frozen consumer's session to be gone", procs.logs)
     finally:
         blocker.close()
         os.kill(frozen.popen.pid, signal.SIGCONT)

@@ -11,21 +11,29 @@ the process was frozen (seen 1 run in 5 with a SIGSTOP at an arbitrary moment of
 Now each table gets one prepared ``INSERT ... SELECT * FROM unnest($1::<row type>[])``: once
 the statement has run, the session is idle in transaction and the timeout ends it; a freeze
 while its parameters are being sent is bounded the same way (the Bind of a prepared statement
-follows a ReadyForQuery: checked by hand, docs/design-notes.md "A consumer frozen mid-apply").
+follows a ReadyForQuery; docs/design-notes.md "A consumer frozen mid-apply").
 
-Made deterministic by holding a SHARE lock on the analysis table so the consumer's INSERT waits
-to start, freezing the consumer there, then releasing it: the INSERT completes and its answer
-waits for a client that does not read it.
+Two probes. Frozen in the statement: made deterministic by holding a SHARE lock on the analysis
+table so the consumer's INSERT waits to start, freezing the consumer there, then releasing it:
+the INSERT completes and its answer waits for a client that does not read it. Frozen while
+sending the statement's parameters: the consumer reaches Postgres through a TCP proxy that
+forwards half of that Bind message and then nothing more (what a client frozen mid-send
+leaves), and the consumer is SIGSTOPped; without ``prepare=True`` this one fails (checked).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
+import struct
+import threading
 
 import psycopg
 import pytest
 from confluent_kafka import Producer
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from jobstream.kafka import producer_config
 from jobstream.settings import Settings
@@ -76,6 +84,125 @@ def test_a_consumer_frozen_mid_apply_does_not_hold_the_partitions(
     finally:
         blocker.close()
         os.kill(frozen.popen.pid, signal.SIGCONT)
+    rows = query(url, "SELECT dedup_key, count(*) AS n FROM downstream.document_analysis "
+                      "GROUP BY dedup_key")
+    assert len(rows) == N and {r["n"] for r in rows} == {1}, rows[:5]
+
+
+class _StallingProxy:
+    """A TCP proxy in front of Postgres (the client connects with ``sslmode=disable``) that
+    forwards the wire protocol and, once, stalls in the middle of the Bind message of the
+    statement whose Parse contained ``marker``: it forwards the Bind's header and the first
+    half of its bytes, then nothing more from that client. Postgres then sees exactly what a
+    client frozen while sending its parameters leaves it with. ``stalled`` is set then."""
+
+    def __init__(self, host: str, port: int, marker: bytes) -> None:
+        self._target, self._marker = (host, port), marker
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.stalled = threading.Event()
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = [self._listener]
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for s in self._sockets:
+                with contextlib.suppress(OSError):
+                    s.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(self._target, timeout=10)
+            except OSError:
+                client.close()
+                return
+            server.settimeout(None)
+            with self._lock:
+                self._sockets += (client, server)
+                if self._closed:  # accepted while closing
+                    client.close()
+                    server.close()
+                    return
+            threading.Thread(target=self._to_client, args=(server, client), daemon=True).start()
+            threading.Thread(target=self._to_server, args=(client, server), daemon=True).start()
+
+    @staticmethod
+    def _to_client(server: socket.socket, client: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := server.recv(65536):
+                client.sendall(data)
+            client.shutdown(socket.SHUT_WR)  # Postgres ended the session: the client sees it
+
+    def _to_server(self, client: socket.socket, server: socket.socket) -> None:
+        def exact(n: int) -> bytes:
+            buf = b""
+            while len(buf) < n:
+                got = client.recv(n - len(buf))
+                if not got:
+                    raise OSError("client closed")
+                buf += got
+            return buf
+
+        names: set[bytes] = set()
+        with contextlib.suppress(OSError):
+            head = exact(4)  # the startup message: no type byte
+            server.sendall(head + exact(struct.unpack(">i", head)[0] - 4))
+            while True:
+                head = exact(5)
+                body = exact(struct.unpack(">i", head[1:])[0] - 4)
+                if head[:1] == b"P" and self._marker in body:
+                    names.add(body.split(b"\0", 1)[0])  # the statement's name ("" unnamed)
+                elif head[:1] == b"B" and body.split(b"\0", 2)[1] in names:
+                    with self._lock:
+                        stall = not self.stalled.is_set()
+                        self.stalled.set()
+                    if stall:
+                        server.sendall(head + body[:len(body) // 2])
+                        return  # nothing more from this client; both sockets stay open
+                server.sendall(head + body)
+
+
+def test_a_consumer_frozen_while_sending_its_apply_parameters_does_not_hold_the_partitions(
+        settings: Settings, procs: ProcessRunner) -> None:
+    """Frozen mid-Bind of the analysis insert: Postgres has read part of its parameters (the
+    batch's rows) and waits for the rest. The statement is prepared (``prepare=True``), so the
+    Bind follows a ReadyForQuery and the session is ``idle in transaction``: the timeout ends
+    it. Unprepared (Parse, Bind, Execute, Sync sent together) the session stayed ``active``,
+    ``ClientRead``, and held the batch's ``processed_event`` rows for good."""
+    url, topic = settings.database_url, settings.topic("job.ready")
+    producer = Producer(producer_config(settings))
+    events = [job_ready(f"bind{i}", charge_usd=0.5) for i in range(N)]
+    for i, e in enumerate(events):
+        producer.produce(topic, value=encode_event(e), key=str(e.job_id).encode(),
+                         partition=i % 3)
+    assert producer.flush(60) == 0
+    info = conninfo_to_dict(url)
+    proxy = _StallingProxy(str(info.get("host") or "127.0.0.1"), int(info.get("port") or 5432),
+                           b"INSERT INTO downstream.document_analysis")
+    proxied = make_conninfo(url, host="127.0.0.1", port=str(proxy.port), sslmode="disable",
+                            gssencmode="disable")
+    env = {"JOBSTREAM_CONSUMER_TRANSACTION_IDLE_TIMEOUT_S": "3"}
+    frozen = procs.start("consume-ready", name="consumer-frozen", JOBSTREAM_DATABASE_URL=proxied,
+                         **env)
+    try:
+        wait_for(proxy.stalled.is_set, 60, "the consumer's analysis insert sending its rows",
+                 procs.logs, every_s=0.05)
+        os.kill(frozen.popen.pid, signal.SIGSTOP)
+        procs.start("consume-ready", name="consumer-next", **env)
+        wait_for(lambda: int(query(url, "SELECT count(*) AS n FROM processed_event")[0]["n"])
+                 == N, 25, "the next owner to apply every event while the first consumer "
+                 "is frozen mid-Bind", procs.logs, every_s=0.5)
+    finally:
+        os.kill(frozen.popen.pid, signal.SIGCONT)
+        proxy.close()
     rows = query(url, "SELECT dedup_key, count(*) AS n FROM downstream.document_analysis "
                       "GROUP BY dedup_key")
     assert len(rows) == N and {r["n"] for r in rows} == {1}, rows[:5]

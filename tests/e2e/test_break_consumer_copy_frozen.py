@@ -38,7 +38,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from jobstream.kafka import producer_config
 from jobstream.settings import Settings
 from schemas.events import encode_event
-from tests.helpers import ProcessRunner, job_ready, query, wait_for
+from tests.helpers import ProcessRunner, job_ready, processed_rows, query, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -74,9 +74,8 @@ def test_a_consumer_frozen_mid_apply_does_not_hold_the_partitions(
         os.kill(frozen.popen.pid, signal.SIGSTOP)
         blocker.rollback()  # the INSERT runs; its client is frozen
         procs.start("consume-ready", name="consumer-next", **env)
-        wait_for(lambda: int(query(url, "SELECT count(*) AS n FROM processed_event")[0]["n"])
-                 == N, 25, "the next owner to apply every event while the first consumer "
-                 "is frozen mid-apply", procs.logs, every_s=0.5)
+        wait_for(lambda: processed_rows(url)[0] == N, 25, "the next owner to apply every "
+                 "event while the first consumer is frozen mid-apply", procs.logs, every_s=0.5)
         # the frozen consumer's session was ended (idle_in_transaction_session_timeout)
         wait_for(lambda: not query(url, "SELECT 1 FROM pg_stat_activity WHERE pid = %s",
                                    (waiting[0]["pid"],)), 10,
@@ -197,9 +196,8 @@ def test_a_consumer_frozen_while_sending_its_apply_parameters_does_not_hold_the_
                  procs.logs, every_s=0.05)
         os.kill(frozen.popen.pid, signal.SIGSTOP)
         procs.start("consume-ready", name="consumer-next", **env)
-        wait_for(lambda: int(query(url, "SELECT count(*) AS n FROM processed_event")[0]["n"])
-                 == N, 25, "the next owner to apply every event while the first consumer "
-                 "is frozen mid-Bind", procs.logs, every_s=0.5)
+        wait_for(lambda: processed_rows(url)[0] == N, 25, "the next owner to apply every "
+                 "event while the first consumer is frozen mid-Bind", procs.logs, every_s=0.5)
     finally:
         os.kill(frozen.popen.pid, signal.SIGCONT)
         proxy.close()

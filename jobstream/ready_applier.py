@@ -33,13 +33,16 @@ GROUP = "downstream-ready-applier"
 
 
 def apply_ready(conn: psycopg.Connection, ev: JobReady) -> None:
-    """Write the analysis row and the ledger charge of one ``job.ready`` (caller's tx)."""
+    """Write the analysis row and the ledger charge of one ``job.ready`` (caller's tx).
+    Prepared statements (``prepare=True``): a consumer frozen while sending an event's
+    parameters, after its ``processed_event`` row, stays ``idle in transaction``, which the
+    consumer's ``idle_in_transaction_session_timeout`` ends (see :func:`apply_ready_rows`)."""
     r = ev.payload.result
     conn.execute(Q["apply_analysis"], (ev.tenant_id, ev.dedup_key, ev.job_id,
                                        ev.payload.filename, r.title, r.summary, r.keywords,
-                                       Jsonb(r.fields)))
+                                       Jsonb(r.fields)), prepare=True)
     conn.execute(Q["apply_charge"], (ev.tenant_id, ev.dedup_key, ev.job_id,
-                                     ev.payload.charge_usd))
+                                     ev.payload.charge_usd), prepare=True)
 
 
 #: Binary formats (PostgreSQL's send/recv functions). A batch's rows travel as one array

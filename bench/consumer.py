@@ -409,7 +409,8 @@ def main() -> None:
                         "default: ConsumerSettings.batch_size)")
     p.add_argument("--handler", choices=["copy", "copy-in-apply", "json", "per-event"],
                    default="copy",
-                   help="batch handler: binary COPY of rows prepared in the decode-ahead "
+                   help="batch handler: binary rows (one array per table, INSERT ... SELECT "
+                        "FROM unnest; binary COPY before consumer6) prepared in the decode-ahead "
                         "thread (copy_rows + apply_ready_rows, default), the same COPY "
                         "formatted in the applying thread (apply_ready_batch), jsonb "
                         "multi-row INSERTs (apply_ready_batch_json), or none (the per-event "

@@ -349,11 +349,11 @@ class IdempotentConsumer:
 
         ``fn(tx, events)`` gets the open transaction and the new events of a batch (first copy
         of each new dedup key, in delivery order) and must have the effect of calling the
-        per-event handler for each in order, e.g. one multi-row statement or binary ``COPY``
-        per table. It must not commit. If it raises, the batch is rolled back and split.
+        per-event handler for each in order, e.g. one multi-row statement per table. It must
+        not commit. If it raises, the batch is rolled back and split.
 
-        ``prepare(event)``, if given, turns one event into what ``fn`` writes (e.g. its COPY
-        rows as bytes) without touching Postgres; it runs in the decode-ahead thread right
+        ``prepare(event)``, if given, turns one event into what ``fn`` writes (e.g. its rows
+        as bytes) without touching Postgres; it runs in the decode-ahead thread right
         after the event is decoded, so that work is done while the previous batch is in
         Postgres, and ``fn(tx, values)`` then gets the prepared values of the new events
         instead of the events (same order). It must be pure and thread-safe. An error it

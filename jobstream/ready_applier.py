@@ -149,7 +149,7 @@ class _BinaryParamDumper(Dumper):
     format = pq.Format.BINARY
 
     def dump(self, obj: Any) -> bytes:
-        return bytes(obj)
+        return obj  # a _BinaryParam is bytes already: no copy of the batch
 
 
 #: connection -> (oid of ready_analysis_row, oid of ready_charge_row); the connection's

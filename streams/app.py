@@ -21,6 +21,7 @@ from jobstream.store import Store
 from schemas.pipeline import PIPELINE, Pipeline
 from streams import delivery, offsets, records
 from streams.context import StageContext
+from streams.tables import NoTablesManager
 
 
 def agents(pipeline: Pipeline = PIPELINE) -> dict[str, Callable[[faust.App, StageContext], Any]]:
@@ -129,6 +130,7 @@ def create_app(settings: Settings, stages: Iterable[str] | None = None,
         # tracebacks while it would wait.
         stream_wait_empty=False,
         monitor=QuietMonitor(),
+        TableManager=NoTablesManager,  # no faust tables: no 1 s start-up pause for them
     )
     offsets.install(app)
     ctx = StageContext(settings=settings, store=store or Store.for_process(

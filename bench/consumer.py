@@ -409,8 +409,9 @@ def main() -> None:
                         "default: ConsumerSettings.batch_size)")
     p.add_argument("--handler", choices=["copy", "copy-in-apply", "json", "per-event"],
                    default="copy",
-                   help="batch handler: binary COPY of rows prepared in the decode-ahead "
-                        "thread (copy_rows + apply_ready_rows, default), the same COPY "
+                   help="batch handler: binary rows (one array per table, INSERT ... SELECT "
+                        "FROM unnest; binary COPY before consumer6) prepared in the decode-ahead "
+                        "thread (copy_rows + apply_ready_rows, default), the same rows "
                         "formatted in the applying thread (apply_ready_batch), jsonb "
                         "multi-row INSERTs (apply_ready_batch_json), or none (the per-event "
                         "handler for each new event, pipelined)")

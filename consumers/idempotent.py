@@ -23,16 +23,16 @@ partition.
 Batches: the messages already fetched when one arrives (up to ``batch_size``) are applied in
 ONE transaction: one multi-row ``processed_event`` insert (``INSERT ... SELECT FROM unnest(...)
 ON CONFLICT DO NOTHING RETURNING``) tells which keys are new, the handler runs for the first
-copy of each new key -- the batch handler (:meth:`IdempotentConsumer.on_batch`, e.g. one binary
-``COPY`` per table) once for all of them, else the per-event handler for each, its statements
-pipelined -- one commit, then the poison ones of the batch are dead-lettered and the offsets
-stored. If the handler raises, the batch is rolled back and split in halves, each applied on
-its own, down to one message per transaction, so a bad message costs only itself and its
-neighbours are applied exactly once. With ``decode_ahead`` (the default) the next batch is
-fetched before this one is applied and a second thread decodes it while this one is in
-Postgres (it only reads message values: the Kafka consumer and Postgres stay in one thread),
-computes its dedup-key digests and runs the batch handler's ``prepare`` on each event (e.g.
-the ready applier's binary COPY rows, :meth:`IdempotentConsumer.on_batch`).
+copy of each new key -- the batch handler (:meth:`IdempotentConsumer.on_batch`, e.g. one
+prepared ``INSERT ... SELECT FROM unnest`` per table) once for all of them, else the per-event
+handler for each, its statements pipelined -- one commit, then the poison ones of the batch are
+dead-lettered and the offsets stored. If the handler raises, the batch is rolled back and split
+in halves, each applied on its own, down to one message per transaction, so a bad message costs
+only itself and its neighbours are applied exactly once. With ``decode_ahead`` (the default)
+the next batch is fetched before this one is applied and a second thread decodes it while this
+one is in Postgres (it only reads message values: the Kafka consumer and Postgres stay in one
+thread), computes its dedup-key digests and runs the batch handler's ``prepare`` on each event
+(e.g. the ready applier's binary rows, :meth:`IdempotentConsumer.on_batch`).
 
 Apply lanes (``settings.apply_lanes``, 2 by default): a fetched batch of at least
 ``settings.apply_lanes_min_batch`` messages (200) is split by partition
@@ -349,11 +349,11 @@ class IdempotentConsumer:
 
         ``fn(tx, events)`` gets the open transaction and the new events of a batch (first copy
         of each new dedup key, in delivery order) and must have the effect of calling the
-        per-event handler for each in order, e.g. one multi-row statement or binary ``COPY``
-        per table. It must not commit. If it raises, the batch is rolled back and split.
+        per-event handler for each in order, e.g. one multi-row statement per table. It must
+        not commit. If it raises, the batch is rolled back and split.
 
-        ``prepare(event)``, if given, turns one event into what ``fn`` writes (e.g. its COPY
-        rows as bytes) without touching Postgres; it runs in the decode-ahead thread right
+        ``prepare(event)``, if given, turns one event into what ``fn`` writes (e.g. its rows
+        as bytes) without touching Postgres; it runs in the decode-ahead thread right
         after the event is decoded, so that work is done while the previous batch is in
         Postgres, and ``fn(tx, values)`` then gets the prepared values of the new events
         instead of the events (same order). It must be pure and thread-safe. An error it
@@ -369,9 +369,13 @@ class IdempotentConsumer:
         --------
         >>> @consumer.on_batch(JobReady)
         ... def apply_many(tx, events: list[JobReady]) -> None:
-        ...     with tx.cursor().copy("COPY ledger (dedup_key) FROM STDIN") as cp:
-        ...         for ev in events:
-        ...             cp.write_row((ev.dedup_key,))
+        ...     tx.execute("INSERT INTO ledger (dedup_key) SELECT unnest(%s::text[])",
+        ...                ([ev.dedup_key for ev in events],), prepare=True)
+
+        Send the rows as parameters of a prepared statement (``prepare=True``), not with
+        ``COPY ... FROM STDIN``: a consumer frozen mid-COPY keeps its session ``active``, which
+        ``transaction_idle_timeout_s`` does not end, holding the batch's dedup rows (and the
+        partitions' next owner) for as long as it is frozen.
         """
         fields = getattr(event_class, "model_fields", {})
         event_type = fields["event_type"].default if "event_type" in fields else None
@@ -688,6 +692,12 @@ class IdempotentConsumer:
                      event_ids: list[Any], job_ids: list[Any]) -> set[tuple[str, str]]:
         """Insert ``processed_event`` rows (one statement, in ``conn``'s transaction) and
         return the ``(dedup_key, event_type)`` pairs that were new. Raises ``psycopg.Error``."""
+        # Prepared on first use (prepare=True): the keys then arrive in a Bind message right
+        # after a ReadyForQuery, read while the session is "idle in transaction", so a
+        # consumer frozen while sending them is ended by idle_in_transaction_session_timeout
+        # (an unprepared statement's Parse comes first and the timeout is not armed again
+        # before its Bind). The batch handler's statements should do the same
+        # (jobstream.ready_applier.apply_ready_rows).
         cur = conn.cursor(row_factory=tuple_row)
         with _shape_changed(self):
             if self._key_digest:
@@ -699,9 +709,10 @@ class IdempotentConsumer:
                 return {by_digest[d] for d, in cur.execute(
                     sql.SQL(RECORD_PROCESSED_BATCH_DIGEST).format(table=self._table),
                     (self.group, digests, keys, types, event_ids, job_ids),
-                    binary=True).fetchall()}
+                    binary=True, prepare=True).fetchall()}
             return set(cur.execute(sql.SQL(RECORD_PROCESSED_BATCH).format(table=self._table),
-                                   (self.group, keys, types, event_ids, job_ids)).fetchall())
+                                   (self.group, keys, types, event_ids, job_ids),
+                                   prepare=True).fetchall())
 
     def _digest(self, event_type: str, dedup_key: str) -> bytes:
         """:func:`consumers.ddl.key_digest` of this group (its prefix hashed once)."""

@@ -10,10 +10,15 @@ from __future__ import annotations
 import functools
 import json
 import struct
+import weakref
 from decimal import Decimal
+from typing import Any
 
 import orjson
 import psycopg
+from psycopg import pq
+from psycopg.adapt import Dumper
+from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 
 from consumers.idempotent import BatchHandler, Handler, Hooks, IdempotentConsumer
@@ -28,57 +33,57 @@ GROUP = "downstream-ready-applier"
 
 
 def apply_ready(conn: psycopg.Connection, ev: JobReady) -> None:
-    """Write the analysis row and the ledger charge of one ``job.ready`` (caller's tx)."""
+    """Write the analysis row and the ledger charge of one ``job.ready`` (caller's tx).
+    Prepared statements (``prepare=True``): a consumer frozen while sending an event's
+    parameters, after its ``processed_event`` row, stays ``idle in transaction``, which the
+    consumer's ``idle_in_transaction_session_timeout`` ends (see :func:`apply_ready_rows`)."""
     r = ev.payload.result
     conn.execute(Q["apply_analysis"], (ev.tenant_id, ev.dedup_key, ev.job_id,
                                        ev.payload.filename, r.title, r.summary, r.keywords,
-                                       Jsonb(r.fields)))
+                                       Jsonb(r.fields)), prepare=True)
     conn.execute(Q["apply_charge"], (ev.tenant_id, ev.dedup_key, ev.job_id,
-                                     ev.payload.charge_usd))
+                                     ev.payload.charge_usd), prepare=True)
 
 
-#: Binary COPY framing (PostgreSQL "COPY ... (FORMAT BINARY)"): the signature with no flags
-#: and no header extension, and the end-of-data marker.
-COPY_SIGNATURE = b"PGCOPY\n\xff\r\n\0" + bytes(8)
-COPY_TRAILER = b"\xff\xff"
+#: Binary formats (PostgreSQL's send/recv functions). A batch's rows travel as one array
+#: parameter per effect table, of the composite types of migration 0035: an array header
+#: (1 dimension, no NULLs, the element type's oid, length, lower bound 1), then per row its
+#: length and the composite: the number of fields, then per field its type oid, its length
+#: and its bytes.
 _I32 = struct.Struct(">i")
-_ANALYSIS_FIELDS = struct.pack(">h", 8)
-_CHARGE_FIELDS = struct.pack(">h", 4)
-_UUID_LEN = _I32.pack(16)
-#: text[] header: 1 dimension, no NULLs, element type text (oid 25); then length and lower bound.
-_TEXT_ARRAY = struct.Struct(">iiIii")
+_ARRAY = struct.Struct(">iiIii")
+#: A text[] field: its type oid and length, then the array header of its text elements.
+_KEYWORDS = struct.Struct(">Iiiiiii")
 _NUMERIC = struct.Struct(">hhHH")
+_TEXT, _UUID, _JSONB, _NUMERIC_OID = (struct.pack(">I", oid) for oid in (25, 2950, 3802, 1700))
+_ANALYSIS_FIELDS = _I32.pack(8)
+_CHARGE_FIELDS = _I32.pack(4)
+_UUID_LEN = _I32.pack(16)
+#: The composite types' names (migration 0035), their oids read once per connection.
+ANALYSIS_ROW_TYPE = "downstream.ready_analysis_row"
+CHARGE_ROW_TYPE = "downstream.ready_charge_row"
 
 
-def _text(s: str) -> bytes:
+@functools.lru_cache(maxsize=1024)
+def _tenant(s: str) -> bytes:
+    """A ``text`` field (oid, length, UTF-8) of a tenant id, cached (a few tenants repeat)."""
     b = s.encode()  # strict UTF-8: a lone surrogate raises UnicodeEncodeError, as psycopg does
-    return _I32.pack(len(b)) + b
+    return _TEXT + _I32.pack(len(b)) + b
 
 
-def _text_array(items: list[str]) -> bytes:
-    pack = _I32.pack
-    parts = [_TEXT_ARRAY.pack(1, 0, 25, len(items), 1)]
-    for x in items:
-        b = x.encode()
-        parts += (pack(len(b)), b)
-    data = b"".join(parts)
-    return pack(len(data)) + data
-
-
-def _jsonb(value: object) -> bytes:
+def _jsonb_text(value: object) -> bytes:
     try:
-        text = orjson.dumps(value)
+        return orjson.dumps(value)
     except (TypeError, orjson.JSONEncodeError):  # an int beyond 64 bits, a lone surrogate:
-        text = json.dumps(value).encode()          # what psycopg's Jsonb sends (json.dumps)
-    return _I32.pack(len(text) + 1) + b"\x01" + text  # jsonb binary format version 1
+        return json.dumps(value).encode()          # what psycopg's Jsonb sends (json.dumps)
 
 
 @functools.lru_cache(maxsize=4096)
 def _numeric(value: float) -> bytes:
     """PostgreSQL's binary ``numeric`` of ``Decimal(repr(value))`` (the decimal text
-    :func:`apply_ready` sends): base-10000 digits around the decimal point, cached per value
-    (charges repeat). Raises ``ValueError`` for NaN or an infinity (the per-event path then
-    sends it and Postgres decides)."""
+    :func:`apply_ready` sends), with its type oid: base-10000 digits around the decimal point,
+    cached per value (charges repeat). Raises ``ValueError`` for NaN or an infinity (the
+    per-event path then sends it and Postgres decides)."""
     dec = Decimal(repr(value))
     if not dec.is_finite():
         raise ValueError(f"not a finite number: {value!r}")
@@ -100,38 +105,99 @@ def _numeric(value: float) -> bytes:
         weight = 0
     data = (_NUMERIC.pack(len(groups), weight, 0x4000 if dec.is_signed() and groups else 0,
                           max(0, -exp)) + struct.pack(f">{len(groups)}H", *groups))
-    return _I32.pack(len(data)) + data
+    return _NUMERIC_OID + _I32.pack(len(data)) + data
 
 
 def copy_rows(ev: JobReady) -> tuple[bytes, bytes]:
-    """The binary ``COPY`` rows of one ``job.ready``: ``(analysis row, charge row)``, the same
-    values :func:`apply_ready` inserts (the charge through ``Decimal(repr(x))``). Pure Python
-    with no connection: the consumer runs it in its decode-ahead thread
-    (``@consumer.on_batch(JobReady, prepare=copy_rows)``). Raises ``UnicodeEncodeError`` (a
-    string that is not valid Unicode) or ``ValueError`` (a charge that is not finite); the
-    batch is then split and the event applied alone by :func:`apply_ready`."""
-    r = ev.payload.result
-    head = b"".join((_text(ev.tenant_id), _text(ev.dedup_key), _UUID_LEN, ev.job_id.bytes))
-    analysis = b"".join((_ANALYSIS_FIELDS, head, _text(ev.payload.filename), _text(r.title),
-                         _text(r.summary), _text_array(r.keywords), _jsonb(r.fields)))
-    return analysis, b"".join((_CHARGE_FIELDS, head, _numeric(ev.payload.charge_usd)))
+    """The binary rows of one ``job.ready``: ``(analysis row, charge row)``, each one array
+    element (its length, then a ``downstream.ready_analysis_row`` / ``ready_charge_row``
+    composite in binary), with the same values :func:`apply_ready` inserts (the charge through
+    ``Decimal(repr(x))``). Pure Python with no connection: the consumer runs it in its
+    decode-ahead thread (``@consumer.on_batch(JobReady, prepare=copy_rows)``). Raises
+    ``UnicodeEncodeError`` (a string that is not valid Unicode) or ``ValueError`` (a charge
+    that is not finite); the batch is then split and the event applied alone by
+    :func:`apply_ready`. (The name is from when these were binary ``COPY`` rows.)"""
+    payload = ev.payload
+    r = payload.result
+    pack = _I32.pack
+    # Every text field encoded with strict UTF-8: a lone surrogate raises UnicodeEncodeError,
+    # as psycopg does. Inlined (no helper per field): this runs once per event.
+    dedup, filename = ev.dedup_key.encode(), payload.filename.encode()
+    title, summary = r.title.encode(), r.summary.encode()
+    head = b"".join((_tenant(ev.tenant_id), _TEXT, pack(len(dedup)), dedup, _UUID, _UUID_LEN,
+                     ev.job_id.bytes))
+    parts: list[bytes] = []
+    for word in r.keywords:
+        b = word.encode()
+        parts += (pack(len(b)), b)
+    keywords = b"".join(parts)
+    fields = _jsonb_text(r.fields)
+    analysis = b"".join((
+        _ANALYSIS_FIELDS, head, _TEXT, pack(len(filename)), filename, _TEXT, pack(len(title)),
+        title, _TEXT, pack(len(summary)), summary,
+        _KEYWORDS.pack(1009, len(keywords) + 20, 1, 0, 25, len(r.keywords), 1), keywords,
+        _JSONB, pack(len(fields) + 1), b"\x01", fields))  # jsonb binary format version 1
+    charge = b"".join((_CHARGE_FIELDS, head, _numeric(payload.charge_usd)))
+    return pack(len(analysis)) + analysis, pack(len(charge)) + charge
 
 
-def apply_ready_rows(conn: psycopg.Connection, rows: list[tuple[bytes, bytes]]) -> None:
-    """Write the :func:`copy_rows` of many events (caller's tx): one binary ``COPY`` per table,
-    the rows in order. Raises ``psycopg.Error`` (``DataError`` for a value Postgres refuses,
-    e.g. a charge over ``numeric(14, 8)``: the consumer then splits the batch)."""
-    with conn.cursor().copy(Q["apply_analysis_copy"]) as cp:
-        cp.write(b"".join([COPY_SIGNATURE, *[a for a, _ in rows], COPY_TRAILER]))
-    with conn.cursor().copy(Q["apply_charge_copy"]) as cp:
-        cp.write(b"".join([COPY_SIGNATURE, *[c for _, c in rows], COPY_TRAILER]))
+class _BinaryParam(bytes):
+    """A query parameter already in Postgres's binary format; its type is the query's cast."""
 
 
-def apply_ready_batch(conn: psycopg.Connection, events: list[JobReady]) -> None:
-    """:func:`apply_ready` for many events at once (caller's tx): one binary ``COPY`` per
-    table (:func:`copy_rows`, :func:`apply_ready_rows`), the same rows in the same order.
-    Raises ``psycopg.Error`` (``DataError`` for a value Postgres refuses: the consumer then
-    splits the batch), ``UnicodeEncodeError`` or ``ValueError`` (see :func:`copy_rows`)."""
+class _BinaryParamDumper(Dumper):
+    format = pq.Format.BINARY
+
+    def dump(self, obj: Any) -> bytes:
+        return obj  # a _BinaryParam is bytes already: no copy of the batch
+
+
+#: connection -> (oid of ready_analysis_row, oid of ready_charge_row); the connection's
+#: adapters know _BinaryParam once it is here.
+_ROW_TYPES: weakref.WeakKeyDictionary[psycopg.Connection[Any], tuple[int, int]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _row_types(conn: psycopg.Connection[Any]) -> tuple[int, int]:
+    got = _ROW_TYPES.get(conn)
+    if got is None:
+        row = conn.cursor(row_factory=tuple_row).execute(
+            Q["ready_row_type_oids"], (ANALYSIS_ROW_TYPE, CHARGE_ROW_TYPE)).fetchone()
+        if row is None or row[0] is None or row[1] is None:
+            raise RuntimeError(f"{ANALYSIS_ROW_TYPE} / {CHARGE_ROW_TYPE} missing: run "
+                               "`jobstream migrate` (migration 0035)")
+        conn.adapters.register_dumper(_BinaryParam, _BinaryParamDumper)
+        got = _ROW_TYPES[conn] = (int(row[0]), int(row[1]))
+    return got
+
+
+def _array(oid: int, elements: list[bytes]) -> _BinaryParam:
+    return _BinaryParam(b"".join([_ARRAY.pack(1, 0, oid, len(elements), 1), *elements]))
+
+
+def apply_ready_rows(conn: psycopg.Connection[Any], rows: list[tuple[bytes, bytes]]) -> None:
+    """Write the :func:`copy_rows` of many events (caller's tx): one ``INSERT ... SELECT *
+    FROM unnest($1::downstream.ready_analysis_row[])`` per table, its rows as ONE binary array
+    parameter, in order. Each statement is prepared on first use (``prepare=True``), so its
+    parameters arrive in a Bind message that directly follows a ReadyForQuery: a consumer
+    frozen while sending it leaves its session ``idle in transaction``, and the library's
+    ``idle_in_transaction_session_timeout`` ends it (with a binary ``COPY FROM STDIN`` the
+    session stayed ``active`` and nothing ended it; docs/design-notes.md). Raises
+    ``psycopg.Error`` (``DataError`` for a value Postgres refuses, e.g. a charge over
+    ``numeric(14, 8)``: the consumer then splits the batch)."""
+    analysis_oid, charge_oid = _row_types(conn)
+    conn.execute(Q["apply_analysis_rows"], (_array(analysis_oid, [a for a, _ in rows]),),
+                 prepare=True)
+    conn.execute(Q["apply_charge_rows"], (_array(charge_oid, [c for _, c in rows]),),
+                 prepare=True)
+
+
+def apply_ready_batch(conn: psycopg.Connection[Any], events: list[JobReady]) -> None:
+    """:func:`apply_ready` for many events at once (caller's tx): one ``INSERT ... SELECT FROM
+    unnest`` of a binary array per table (:func:`copy_rows`, :func:`apply_ready_rows`), the
+    same rows in the same order. Raises ``psycopg.Error`` (``DataError`` for a value Postgres
+    refuses: the consumer then splits the batch), ``UnicodeEncodeError`` or ``ValueError``
+    (see :func:`copy_rows`)."""
     apply_ready_rows(conn, [copy_rows(ev) for ev in events])
 
 

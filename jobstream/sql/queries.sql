@@ -743,16 +743,21 @@ SELECT r.tenant_id, r.dedup_key, r.job_id, r.amount_usd
        WITH ORDINALITY AS r(tenant_id, dedup_key, job_id, amount_usd, ord)
  ORDER BY r.ord;
 
--- name: apply_analysis_copy
--- apply_analysis for a batch: binary COPY, one row per event (the batch handler's fast path).
-COPY downstream.document_analysis
-     (tenant_id, dedup_key, job_id, filename, title, summary, keywords, fields)
-FROM STDIN (FORMAT BINARY);
+-- name: apply_analysis_rows
+-- apply_analysis for a batch (the batch handler's fast path): one binary array of
+-- downstream.ready_analysis_row (migration 0035), one row per event, in array order.
+INSERT INTO downstream.document_analysis
+       (tenant_id, dedup_key, job_id, filename, title, summary, keywords, fields)
+SELECT * FROM unnest(%b::downstream.ready_analysis_row[]);
 
--- name: apply_charge_copy
--- apply_charge for a batch: binary COPY, one row per event.
-COPY downstream.ledger_charge (tenant_id, dedup_key, job_id, amount_usd)
-FROM STDIN (FORMAT BINARY);
+-- name: apply_charge_rows
+-- apply_charge for a batch: one binary array of downstream.ready_charge_row, in array order.
+INSERT INTO downstream.ledger_charge (tenant_id, dedup_key, job_id, amount_usd)
+SELECT * FROM unnest(%b::downstream.ready_charge_row[]);
+
+-- name: ready_row_type_oids
+-- The oids of the ready applier's row types (an array's binary format names its element type).
+SELECT to_regtype(%s)::oid AS analysis_row, to_regtype(%s)::oid AS charge_row;
 
 -- name: stage_provider_cost
 SELECT coalesce(sum(cost_usd), 0)::float8 AS cost_usd, count(*) AS calls

@@ -8,7 +8,9 @@ Protocol (design.md, "Outbox relay"):
 2. Read unpublished rows in id order (``published_at IS NULL``): after the last id fetched
    while a backlog drains, otherwise from a floor that trails by ``relay_late_commit_s``
    (and from id 0 every ``relay_full_rescan_s``), so a transaction that commits late with a
-   lower id is still published (see "the pipelined loop" below and docs/design-notes.md).
+   lower id is still published (see "the pipelined loop" below and docs/design-notes.md);
+   caught up, by probing only the ids it read past without a row (its gaps) while it knows
+   them all, instead of reading the range from the floor.
 3. Produce with an idempotent producer (``enable.idempotence=true``, ``acks=all``) without
    waiting: up to ``relay_max_in_flight`` rows are in flight while the next batch is fetched.
 4. Delete a row (keeping its compact ``outbox_published`` record, migration 0022) only after

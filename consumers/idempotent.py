@@ -73,6 +73,7 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -141,6 +142,9 @@ class Hooks:
 
 #: A statement run after a pipeline, so Postgres arms the transaction's idle timeout again.
 REARM_IDLE_TIMEOUT = "SELECT 1"
+#: ``processed_event.event_type`` of the marker row that records a dead-lettered position.
+DEAD_LETTER_MARK = "jobstream.dead_lettered"
+_DEAD_LETTER_NS = uuid.UUID("6b0c1f0e-5d8a-4c59-9a8e-3f0f5a8e2d11")
 _MISSING = object()
 
 
@@ -484,16 +488,40 @@ class IdempotentConsumer:
         if conn is None or conn.closed:
             psycopg.connect(self.settings.dsn, connect_timeout=10).close()
 
-    def _dead_letter(self, msg: Message, code: str, reason: str) -> None:
-        """Make the dead letter durable (``<topic>.dlq``, else the dead_letter table). Raises
-        :class:`RetryableError` when neither took it: the offset must not be stored."""
+    def _dead_letter(self, msg: Message, code: str, reason: str) -> bool:
+        """Make the dead letter durable (``<topic>.dlq``, else the dead_letter table), once per
+        consumer group and position; True when sent, False when this group had already
+        dead-lettered that position.
+
+        A consumer paused (SIGSTOP, VM pause) while its partitions were handed to another
+        works through its stale batch when it resumes, before its client notices the lost
+        assignment: its applies are absorbed by ``processed_event``, and so are its dead letters.
+        The position is recorded there as a marker row (event type :data:`DEAD_LETTER_MARK`,
+        dedup key ``<topic>[<partition>]@<offset>``) in a transaction that commits only once
+        the dead letter is durable, so a crash in between dead-letters it again (at least
+        once), never not at all. A consumer paused inside the DLQ produce itself (between the
+        send and the acknowledgement) past ``transaction_idle_timeout_s`` loses its session
+        and marker; the send cannot be fenced by Postgres, so once resumed it can add one
+        second record of that one position (``dlq replay`` re-produces both; the idempotency
+        key absorbs the copy). Raises :class:`RetryableError` when neither the DLQ nor
+        Postgres took it (the offset must not be stored), ``psycopg.Error`` when Postgres is
+        away."""
+        topic, partition, offset = msg.topic() or "", msg.partition() or 0, msg.offset() or 0
+        position = f"{topic}[{partition}]@{offset}"
         headers = self.headers(msg)
-        with self._shared_lock:  # one sink for every apply lane
-            self._sink.send(topic=msg.topic() or "", partition=msg.partition() or 0,
-                            offset=msg.offset() or 0, key=msg.key(), value=msg.value(),
-                            headers=headers, code=code, reason=reason)
-            self.stats.dead_lettered += 1
+        conn = self._db()
+        with conn.transaction():
+            if not self._record_keys(conn, [position], [DEAD_LETTER_MARK], [uuid.uuid5(
+                    _DEAD_LETTER_NS, f"{self.group}\0{position}")], [None]):
+                log.info("%s was dead-lettered before by group %s (a redelivery to a revoked "
+                         "or restarted consumer); not again", position, self.group)
+                return False
+            with self._shared_lock:  # one sink for every apply lane
+                self._sink.send(topic=topic, partition=partition, offset=offset, key=msg.key(),
+                                value=msg.value(), headers=headers, code=code, reason=reason)
+                self.stats.dead_lettered += 1
         _call(self.hooks.on_dead_lettered, code, reason)
+        return True
 
     def _decode(self, msg: Message) -> Any:
         """The message's event, bounded (size, JSON depth) before parsing. Raises
@@ -533,8 +561,7 @@ class IdempotentConsumer:
         try:
             event = self._decode(msg)
         except PoisonMessage as exc:
-            self._dead_letter(msg, exc.code, str(exc))
-            return "dead_lettered"
+            return "dead_lettered" if self._dead_letter(msg, exc.code, str(exc)) else "duplicate"
         _call(self.hooks.bind, request_id=event.request_id, tenant=event.tenant_id,
               event_type=event.event_type, job_id=event.job_id)
         conn = self._db()
@@ -549,8 +576,8 @@ class IdempotentConsumer:
                 self._handlers[event.event_type](conn, event)
                 _call(self.hooks.in_transaction)
         except (PoisonMessage, *REFUSED_DATA) as exc:
-            self._dead_letter(msg, classify(exc)[1], describe(exc))
-            return "dead_lettered"
+            return ("dead_lettered" if self._dead_letter(msg, classify(exc)[1], describe(exc))
+                    else "duplicate")
         with self._shared_lock:
             self.stats.applied += 1
         _call(self.hooks.on_applied, event)
@@ -601,8 +628,8 @@ class IdempotentConsumer:
                     outcomes[i] = "applied"
                     applied.append(ev)
         for i, bad in poison:
-            self._dead_letter(msgs[i], bad.code, str(bad))
-            outcomes[i] = "dead_lettered"
+            if self._dead_letter(msgs[i], bad.code, str(bad)):
+                outcomes[i] = "dead_lettered"
         with self._shared_lock:
             self.stats.applied += outcomes.count("applied")
             self.stats.duplicates += outcomes.count("duplicate")
@@ -641,9 +668,16 @@ class IdempotentConsumer:
         ``first``: key -> its first copy. Raises ``psycopg.Error`` (an event id reused by
         another key: ``UniqueViolation``, the batch is then split)."""
         events = [ev for _, ev in first.values()]
+        new = self._record_keys(conn, [e.dedup_key for e in events],
+                                [e.event_type for e in events], [e.event_id for e in events],
+                                [e.job_id for e in events])
+        return [(i, ev) for key, (i, ev) in first.items() if key in new]
+
+    def _record_keys(self, conn: psycopg.Connection[Any], keys: list[str], types: list[str],
+                     event_ids: list[Any], job_ids: list[Any]) -> set[tuple[str, str]]:
+        """Insert ``processed_event`` rows (one statement, in ``conn``'s transaction) and
+        return the ``(dedup_key, event_type)`` pairs that were new. Raises ``psycopg.Error``."""
         cur = conn.cursor(row_factory=tuple_row)
-        keys = [e.dedup_key for e in events]
-        types = [e.event_type for e in events]
         with _shape_changed(self):
             if self._key_digest:
                 pre = self._digests  # from the decode-ahead thread, else computed here
@@ -651,15 +685,12 @@ class IdempotentConsumer:
                            for t, k in zip(types, keys, strict=True)]
                 by_digest = dict(zip(digests, zip(keys, types, strict=True), strict=True))
                 # The new rows' digests come back (16 bytes each, binary), not their texts.
-                new = {by_digest[d] for d, in cur.execute(
+                return {by_digest[d] for d, in cur.execute(
                     sql.SQL(RECORD_PROCESSED_BATCH_DIGEST).format(table=self._table),
-                    (self.group, digests, keys, types, [e.event_id for e in events],
-                     [e.job_id for e in events]), binary=True).fetchall()}
-            else:
-                new = set(cur.execute(sql.SQL(RECORD_PROCESSED_BATCH).format(table=self._table), (
-                    self.group, keys, types, [e.event_id for e in events],
-                    [e.job_id for e in events])).fetchall())
-        return [(i, ev) for key, (i, ev) in first.items() if key in new]
+                    (self.group, digests, keys, types, event_ids, job_ids),
+                    binary=True).fetchall()}
+            return set(cur.execute(sql.SQL(RECORD_PROCESSED_BATCH).format(table=self._table),
+                                   (self.group, keys, types, event_ids, job_ids)).fetchall())
 
     def _digest(self, event_type: str, dedup_key: str) -> bytes:
         """:func:`consumers.ddl.key_digest` of this group (its prefix hashed once)."""

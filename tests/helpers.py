@@ -67,6 +67,22 @@ def query(url: str, q: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]
         return conn.execute(q, params).fetchall()  # type: ignore[arg-type]  # q: a str, not a LiteralString
 
 
+def processed_rows(url: str, schema: str = "public") -> tuple[int, int]:
+    """``(effects, dead_letter_marks)``: the ``processed_event`` rows of ``schema`` that record
+    an applied event, and the marker rows of dead-lettered positions (event type
+    ``consumers.idempotent.DEAD_LETTER_MARK``: one per group and position)."""
+    from psycopg import sql
+
+    from consumers.idempotent import DEAD_LETTER_MARK
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(sql.SQL(
+            "SELECT count(*) FILTER (WHERE event_type <> %s), count(*) FILTER (WHERE "
+            "event_type = %s) FROM {}").format(sql.Identifier(schema, "processed_event")),
+            (DEAD_LETTER_MARK, DEAD_LETTER_MARK)).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
 def wait_pipeline_drained(settings: Settings, procs: ProcessRunner, timeout_s: float = 60.0
                           ) -> None:
     """Wait until the stage workers' group (every stage topic and its ``.retry`` twin) and the

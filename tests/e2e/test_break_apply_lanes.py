@@ -23,7 +23,7 @@ from confluent_kafka import Producer
 from jobstream.kafka import group_lag, producer_config
 from jobstream.settings import Settings
 from schemas.events import encode_event
-from tests.helpers import ProcessRunner, job_ready, query, read_topic, wait_for
+from tests.helpers import ProcessRunner, job_ready, processed_rows, query, read_topic, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -137,7 +137,7 @@ def test_event_ids_reused_across_both_apply_lanes_at_once_are_dead_lettered_once
         return [dict(m.headers() or []).get("dlq_reason_code", b"").decode()
                 for m in read_topic(settings, dlq)] if dlq in _topics(settings) else []
 
-    wait_for(lambda: int(query(url, "SELECT count(*) AS n FROM processed_event")[0]["n"]) == n
+    wait_for(lambda: processed_rows(url)[0] == n
              and group_lag(settings, group, [topic]) == 0, 120,
              "every event applied or dead-lettered and every offset committed", procs.logs,
              every_s=0.5)

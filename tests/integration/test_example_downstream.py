@@ -18,7 +18,7 @@ import pytest
 from jobstream.producer import produce_raw
 from jobstream.settings import Settings
 from schemas.events import DocumentAnalysis, JobReady, JobReadyPayload, encode_event
-from tests.helpers import query, read_topic, wait_for
+from tests.helpers import processed_rows, query, read_topic, wait_for
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).parents[2]
@@ -79,8 +79,7 @@ def test_example_service_charges_each_job_ready_once(settings: Settings, tmp_pat
     assert _ledger(settings) == 700
     assert query(settings.database_url,
                  f"SELECT count(DISTINCT dedup_key) AS n FROM {SCHEMA}.ledger")[0]["n"] == 700  # noqa: S608
-    assert query(settings.database_url,
-                 f"SELECT count(*) AS n FROM {SCHEMA}.processed_event")[0]["n"] == 700  # noqa: S608
+    assert processed_rows(settings.database_url, SCHEMA) == (700, 1)  # 1 dead-lettered
     assert len(dlq) == 1
     assert dlq[0].value() == b"{not json"
     assert dict(dlq[0].headers())["dlq_reason_code"] == b"not_json"

@@ -424,6 +424,15 @@ class Settings(BaseSettings):
                              "times before it was prepared (issue 12, bench/README.md "
                              "\"Postgres and the broker per job\")."
     )
+    db_worker_plan_cache_mode: Literal["auto", "force_generic_plan", "force_custom_plan"] = Field(
+        "force_generic_plan",
+        description="Postgres plan_cache_mode of the stage workers' pooled connections. "
+                    "force_generic_plan: a prepared statement is planned once per connection "
+                    "(Postgres' auto makes five custom plans first, and keeps planning every "
+                    "execution when it estimates the generic plan dearer); every statement "
+                    "a worker runs is a keyed lookup or an unnest insert, whose plan does not "
+                    "depend on the values (issue 12, bench/README.md \"Stage workers, "
+                    "perf-stage6\"). The sweeper (in the relay) keeps auto.")
     health_port: int = Field(
         0, ge=0, le=65535, description="Serve GET /healthz (readiness) on this port in worker, "
                                        "relay and consume-ready (0: off; the API uses its own).")

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import faust
+from faust.sensors import Monitor
 
 from jobstream.settings import Settings
 from jobstream.store import Store
@@ -44,6 +45,37 @@ def lanes(pipeline: Pipeline = PIPELINE) -> dict[str, tuple[str, ...]]:
     batch = tuple(f"{s.name}_batch" for s in pipeline.stages if "batch" in s.lanes)
     return {"all": every, "interactive": tuple(a for a in every if a not in batch),
             "batch": batch}
+
+
+class QuietMonitor(Monitor):
+    """faust's Monitor without its per-message bookkeeping (issue 12): faust calls it four
+    times per message (message in/out, stream event in/out) and once per produce, to keep
+    counters and per-stream timings that only faust's web views read, and the workers run
+    with ``web_enabled=False``. Offset commits, end offsets and rebalances are still tracked
+    (the base class)."""
+
+    def on_message_in(self, tp: Any, offset: int, message: Any) -> None:
+        """Not tracked."""
+
+    def on_stream_event_in(self, tp: Any, offset: int, stream: Any, event: Any) -> None:
+        """Not tracked."""
+
+    def on_stream_event_out(self, tp: Any, offset: int, stream: Any, event: Any,
+                            state: Any = None) -> None:
+        """Not tracked."""
+
+    def on_message_out(self, tp: Any, offset: int, message: Any) -> None:
+        """Not tracked."""
+
+    def on_send_initiated(self, producer: Any, topic: str, message: Any, keysize: int,
+                          valsize: int) -> None:
+        """Not tracked."""
+
+    def on_send_completed(self, producer: Any, state: Any, metadata: Any) -> None:
+        """Not tracked."""
+
+    def on_send_error(self, producer: Any, exc: BaseException, state: Any) -> None:
+        """Not tracked."""
 
 
 AGENTS = agents()
@@ -96,6 +128,7 @@ def create_app(settings: Settings, stages: Iterable[str] | None = None,
         # wait for running stage work (it is redelivered), and faust prints no actor
         # tracebacks while it would wait.
         stream_wait_empty=False,
+        monitor=QuietMonitor(),
     )
     offsets.install(app)
     ctx = StageContext(settings=settings, store=store or Store.for_process(

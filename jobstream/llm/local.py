@@ -53,12 +53,31 @@ _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\u31f0-
 #: A sentence end: terminal punctuation (Latin, Arabic, CJK), closing quotes, then space (or,
 #: after a CJK full stop, nothing).
 _END = re.compile(r"[.!?؟。！？]+[\"')\]»”’]*(?:\s+|(?<=[。！？])(?=\S))")
+#: :data:`_TOKEN` on ASCII text already lower-cased (the same words: ASCII letters and digits
+#: keep their class and length when lower-cased; no ``’`` in ASCII). Twice as fast (issue 12).
+_TOKEN_ASCII = re.compile(r"[a-z](?:[a-z0-9]+|['-](?=[a-z]))*", re.ASCII)
+_VERSION = re.compile(r"\bVersion\s+(\d+(?:\.\d+)*)", re.I)
+#: :data:`_VERSION` on ASCII text already lower-cased, with the literal first (the regex
+#: engine skips to it; ``\b`` checked behind it): 2 us on 3 KB instead of 30 (issue 12).
+_VERSION_ASCII = re.compile(r"version(?<=\bversion)\s+(\d+(?:\.\d+)*)")
+#: ``\b(?:19|20)\d\d\b`` with the word boundary checked behind the first two digits (the
+#: same matches; 13 us on 3 KB instead of 22).
+_YEAR = re.compile(r"(?:19|20)(?<=\b\d\d)\d\d\b", re.ASCII)
+_URL = re.compile(r"https?://[^\s<>\"]+")
+_EMAIL = re.compile(r"\b[\w.+-]+@[\w-]+\.[\w.-]+\b")
 
 
 def words(text: str) -> list[str]:
     """The words of ``text`` in any script, lower-cased, in order: letters (and inner digits,
     apostrophes, hyphens) of at least 3 characters; runs of Han/Kana characters, which have no
     spaces between words, become overlapping character bigrams (a lone character stays)."""
+    if text.isascii():  # the common case: one regex pass over the lower-cased text
+        return [w for w in _TOKEN_ASCII.findall(text.lower()) if len(w) >= 3]
+    return _words_any(text)
+
+
+def _words_any(text: str) -> list[str]:
+    """:func:`words` for text in any script (the general tokeniser)."""
     out: list[str] = []
     for tok in _TOKEN.findall(unicodedata.normalize("NFC", text)):
         if tok.isascii():  # no Han/Kana in it: the common case, without the CJK scan
@@ -113,13 +132,16 @@ def analyse(text: str, max_keywords: int = 8, max_sentences: int = 2) -> dict[st
     summary = " ".join(candidates[i][:400] for i in sorted(top)) or flat[:400]
     first_line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
     fields: dict[str, Any] = {}
-    if m := re.search(r"\bVersion\s+(\d+(?:\.\d+)*)", text, flags=re.I):
+    # On ASCII text (no non-ASCII letter can match case-insensitively) the same search runs
+    # case-sensitively on the lower-cased text, whose offsets and digits are the text's.
+    if m := (_VERSION_ASCII.search(text.lower()) if text.isascii() else _VERSION.search(text)):
         fields["version"] = m.group(1)
-    if years := sorted(set(re.findall(r"\b(?:19|20)\d\d\b", text, flags=re.ASCII))):
+    if years := sorted(set(_YEAR.findall(text))):
         fields["years"] = years[:10]
-    if urls := sorted(set(u.rstrip(".,;)>") for u in re.findall(r"https?://[^\s<>\"]+", text))):
+    if urls := sorted(set(u.rstrip(".,;)>") for u in _URL.findall(text))):
         fields["urls"] = urls[:10]
-    if emails := sorted(set(re.findall(r"\b[\w.+-]+@[\w-]+\.[\w.-]+\b", text))):
+    # Without an "@" there is no address: skip the regex (60 us on 3 KB, the slowest here).
+    if "@" in text and (emails := sorted(set(_EMAIL.findall(text)))):
         fields["emails"] = emails[:10]
     return {
         "title": first_line[:200] if 0 < len(first_line) <= 120 else None,

@@ -53,3 +53,33 @@ def test_pooled_connection_prepares_on_first_execution(database_url: str) -> Non
         assert n is not None and n["n"] >= 1
     finally:
         store.pool.close()
+
+
+def test_worker_pool_plans_each_statement_once(database_url: str) -> None:
+    """Issue 12 (perf-stage6): the stage workers' pool runs with plan_cache_mode
+    force_generic_plan (``db_worker_plan_cache_mode``): a prepared statement is planned once
+    per connection, never with custom plans; other processes keep the server's auto."""
+    import uuid
+
+    from jobstream.db import QUERIES
+    from jobstream.settings import Settings
+
+    s = Settings(database_url=database_url)
+    assert s.db_worker_plan_cache_mode == "force_generic_plan"
+    plans = {}
+    for process in ("worker", "api"):
+        store = Store.for_process(s, process, 1)
+        try:
+            with store.pool.connection() as conn:
+                for _ in range(3):
+                    conn.execute(QUERIES["get_job"], (uuid.uuid4(),)).fetchall()
+                plans[process] = conn.execute(
+                    "SELECT generic_plans, custom_plans, current_setting('plan_cache_mode') "
+                    "AS mode FROM pg_prepared_statements WHERE statement LIKE "
+                    "'SELECT * FROM job WHERE job_id = $1%%'").fetchone()
+        finally:
+            store.close()
+    assert plans["worker"] == {"generic_plans": 3, "custom_plans": 0,
+                               "mode": "force_generic_plan"}
+    assert plans["api"] is not None and plans["api"]["custom_plans"] >= 1
+    assert plans["api"]["mode"] == "auto"

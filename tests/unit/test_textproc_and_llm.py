@@ -162,3 +162,61 @@ def test_the_words_of_a_text_are_its_sentences_words_in_order(text: str) -> None
     from jobstream.llm.local import sentences, words
     flat = " ".join(text.split())
     assert [w for s in sentences(flat) for w in words(s)] == words(text)
+
+
+@pytest.mark.parametrize("text", [
+    "Don't re-use X-1, a-b 3d o'clock; ABC--def ab-'cd x'-y 'quoted' end.",
+    "Copyright (C) 2007 Free Software Foundation, Inc. <https://fsf.org/> e.g. this 3rd x9y",
+    "MIT-licensed -leading trailing- it''s don''t a'b'c 1st 2nd version2 v2.0 UPPER Mixed",
+    "".join(chr(random.Random(7).randrange(32, 127)) for _ in range(3000)),
+])
+def test_ascii_fast_path_finds_the_same_words_as_the_general_tokeniser(text: str) -> None:
+    """Issue 12: :func:`words` takes one regex pass over lower-cased ASCII text; the words
+    must be exactly those the general (any-script) tokeniser finds."""
+    from jobstream.llm.local import _words_any, words
+    assert text.isascii()
+    assert words(text) == _words_any(text)
+    assert words(text)  # something was found
+
+
+def test_binary_sniff_counts_the_same_control_characters() -> None:
+    """Issue 12: the control-character share of the binary sniff is one regex pass; it must
+    count exactly C0 but tab, LF, VT, FF, CR and ESC, plus DEL and C1."""
+    from jobstream import textproc
+    for c in range(0x300):
+        counted = bool(textproc._BINARY_CONTROLS.fullmatch(chr(c)))
+        assert counted == ((c < 0x20 and c not in textproc._TEXT_CONTROLS)
+                           or 0x7f <= c <= 0x9f), hex(c)
+
+
+def test_paragraphs_are_the_spans_of_the_old_pattern() -> None:
+    """Issue 12: :func:`jobstream.textproc.paragraphs` replaced a lazy regex that tried its
+    look-ahead at every character; it must find exactly the same spans, quirks included (a
+    one-character paragraph runs on to the next paragraph's end; trailing blanks on a line
+    do not end a paragraph; Unicode whitespace counts as blank)."""
+    from jobstream.textproc import paragraphs
+    old = re.compile(r"\S(?:.*?\S)?(?=\n\s*\n|\s*\Z)", re.S)
+    rnd = random.Random(12)
+    pieces = ["a", "b.", " ", "\n", "\t", "\r", "\u00a0", "\u2003", "\x0b", "\x0c", "\u2028",
+              "\x1c", "é", "\n\n", " \n", "\n \n", "word "]
+    texts = ["", "x", "x\n\ny", "a \n\nb", "b\n \n.c\n\n", "  one\n\n\n two  \n\n"]
+    texts += ["".join(rnd.choice(pieces) for _ in range(rnd.randrange(40))) for _ in range(5000)]
+    for text in texts:
+        assert paragraphs(text) == [m.span() for m in old.finditer(text)], repr(text)
+
+
+@pytest.mark.parametrize("text", [
+    "GNU GENERAL PUBLIC LICENSE VERSION 3, 29 June 2007; (c) 1999-2020, 2100, 19999, x1999",
+    "subversion 2 is no version; then vErSiOn\n4.1.2. and Version 5", "version 7_2019 _2020",
+    "Verſion 3 (a long s matches case-insensitively) from 2001", "Version İ 9 2024 ٢٠٢٤",
+    "no fields here at all",
+])
+def test_version_and_years_fields_match_the_original_patterns(text: str) -> None:
+    """Issue 12: the ``version`` and ``years`` fields use faster patterns (a case-sensitive
+    search on lower-cased ASCII text, the word boundary checked behind the digits); they must
+    give what the original case-insensitive / boundary-first patterns give."""
+    fields = analyse(text)["fields"]
+    m = re.search(r"\bVersion\s+(\d+(?:\.\d+)*)", text, flags=re.I)
+    assert fields.get("version") == (m.group(1) if m else None)
+    years = sorted(set(re.findall(r"\b(?:19|20)\d\d\b", text, flags=re.ASCII)))[:10]
+    assert fields.get("years") == (years or None)

@@ -140,11 +140,11 @@ class Hooks:
     in_transaction: Callable[[], None] | None = None
 
 
-#: A statement run after a pipeline, so Postgres arms the transaction's idle timeout again.
-REARM_IDLE_TIMEOUT = "SELECT 1"
 #: ``processed_event.event_type`` of the marker row that records a dead-lettered position.
 DEAD_LETTER_MARK = "jobstream.dead_lettered"
 _DEAD_LETTER_NS = uuid.UUID("6b0c1f0e-5d8a-4c59-9a8e-3f0f5a8e2d11")
+#: A dead letter's transaction outlives the DLQ produce it waits for (milliseconds, text).
+DEAD_LETTER_IDLE_LIMIT = "SELECT set_config('idle_in_transaction_session_timeout', %s, true)"
 _MISSING = object()
 
 
@@ -499,18 +499,27 @@ class IdempotentConsumer:
         The position is recorded there as a marker row (event type :data:`DEAD_LETTER_MARK`,
         dedup key ``<topic>[<partition>]@<offset>``) in a transaction that commits only once
         the dead letter is durable, so a crash in between dead-letters it again (at least
-        once), never not at all. A consumer paused inside the DLQ produce itself (between the
-        send and the acknowledgement) past ``transaction_idle_timeout_s`` loses its session
-        and marker; the send cannot be fenced by Postgres, so once resumed it can add one
-        second record of that one position (``dlq replay`` re-produces both; the idempotency
-        key absorbs the copy). Raises :class:`RetryableError` when neither the DLQ nor
-        Postgres took it (the offset must not be stored), ``psycopg.Error`` when Postgres is
-        away."""
+        once), never not at all. The transaction's idle limit covers the sink's waits (at least
+        ``2 * (dlq_produce_timeout_s + 5) + 10`` s, else ``transaction_idle_timeout_s``). A
+        consumer paused inside the DLQ produce itself (between the send and the
+        acknowledgement) past that limit loses its session and marker; the send cannot be
+        fenced by Postgres, so once resumed it can add one second record of that one position
+        (``dlq replay`` re-produces both; the idempotency key absorbs the copy). Raises
+        :class:`RetryableError` when neither the DLQ nor Postgres took it (the offset must not
+        be stored), ``psycopg.Error`` when Postgres is away."""
         topic, partition, offset = msg.topic() or "", msg.partition() or 0, msg.offset() or 0
         position = f"{topic}[{partition}]@{offset}"
         headers = self.headers(msg)
         conn = self._db()
         with conn.transaction():
+            # The sink below waits inside this transaction: up to dlq_produce_timeout_s + 5 s
+            # for the DLQ, then (the table took it) as long again for the reference record.
+            # An idle limit shorter than that ended the session of a live consumer, so the
+            # dead letter went to the table and its marker was lost, again at every retry, for
+            # as long as the DLQ did not answer (tests/e2e/test_break_consumer_slow_dlq.py).
+            wait_s = 2 * (self.settings.dlq_produce_timeout_s + 5) + 10
+            if wait_s > self.settings.transaction_idle_timeout_s:
+                conn.execute(DEAD_LETTER_IDLE_LIMIT, (str(int(wait_s * 1000)),))
             if not self._record_keys(conn, [position], [DEAD_LETTER_MARK], [uuid.uuid5(
                     _DEAD_LETTER_NS, f"{self.group}\0{position}")], [None]):
                 log.info("%s was dead-lettered before by group %s (a redelivery to a revoked "
@@ -616,13 +625,15 @@ class IdempotentConsumer:
                     self._batch_handlers[one](conn, [ev for _, ev in todo] if prepare is None
                                               else self._prepared_values(msgs, todo, prepare))
                 else:
-                    with conn.pipeline():
-                        for _, ev in todo:
-                            self._handlers[ev.event_type](conn, ev)
-                    # Postgres arms idle_in_transaction_session_timeout only after a
-                    # statement outside a pipeline: without one, a consumer frozen before the
-                    # COMMIT kept this batch's rows (and the next owner waiting) for good.
-                    conn.execute(REARM_IDLE_TIMEOUT)
+                    # Not in a psycopg pipeline (it saved a round trip per statement): a
+                    # statement sent in pipeline mode leaves the backend ``active``
+                    # (ClientRead) until a Sync, and psycopg's Flush request after a Sync
+                    # disarms the timer, so idle_in_transaction_session_timeout never ended
+                    # the session of a consumer frozen between or inside its handlers: it kept
+                    # the batch's rows, and the next owner waiting, for good
+                    # (tests/e2e/test_break_consumer_pipeline*.py).
+                    for _, ev in todo:
+                        self._handlers[ev.event_type](conn, ev)
                 _call(self.hooks.in_transaction)
                 for i, ev in todo:
                     outcomes[i] = "applied"

@@ -88,7 +88,9 @@ class ConsumerSettings(BaseSettings):
                                 "sits idle this long (idle_in_transaction_session_timeout, "
                                 "seconds): a consumer frozen mid-batch (SIGSTOP, VM pause) "
                                 "then no longer holds the batch's processed_event rows, which "
-                                "the partitions' next owner waits for.")
+                                "the partitions' next owner waits for. A dead letter's "
+                                "transaction, which waits for the DLQ, gets at least "
+                                "2 x (dlq_produce_timeout_s + 5) + 10 s.")
     kafka_extra: dict[str, Any] = Field(default_factory=dict,
                                         description="librdkafka options passed verbatim.")
 

@@ -74,6 +74,12 @@ class Settings(BaseSettings):
         None, description="Bearer key for the provider (a secret, never printed)."
     )
     provider_timeout_s: float = Field(60.0, gt=0, description="Per-request timeout (seconds).")
+    provider_slot_margin_s: float = Field(
+        30.0, gt=0, description="A slot of the shared provider limit lives provider_timeout_s "
+        "+ this (seconds) when its holder never releases it (a worker killed or frozen mid-call); "
+        "until then it counts against the window. The margin covers a live holder's own delays "
+        "(Postgres, GC) between taking the slot and releasing it.",
+    )
     provider_max_attempts: int = Field(
         3, ge=1, description="In-process attempts per provider call before the stage event "
                              "goes to the .retry topic."

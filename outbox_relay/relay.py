@@ -384,14 +384,16 @@ class OutboxRelay:
         now = time.monotonic()
         if self._draining and now - self._last_rescan < st.relay_rescan_s:
             self.mark(conn)  # on the marker thread: rows after _hwm only are read here
-            rows = self._take_ahead(self._hwm)
+            rows = self._take_ahead(self._hwm, rearm=False)
+            rearm = rows is not None  # no statement ran after the pipeline (_take_ahead)
             if rows is None:
                 self.stats.transactions += 1
                 with conn.cursor(row_factory=tuple_row, binary=True) as cur:
                     rows = cur.execute(Q["outbox_fetch_after"], (self._hwm, n)).fetchall()
             self._track_gaps(self._hwm, rows, now)
         else:
-            self._take_ahead(None)
+            self._take_ahead(None, rearm=False)  # the statement below follows
+            rearm = False
             floors = self._floors
             while floors and now - floors[0][0] >= st.relay_late_commit_s:
                 self._floor = floors.popleft()[1]
@@ -451,6 +453,8 @@ class OutboxRelay:
         if (self._draining and self._marker is not None
                 and now - self._last_rescan < st.relay_rescan_s):
             self._read_ahead(conn)
+        elif rearm:
+            self._rearm(conn)
         return rows
 
     def _track_gaps(self, after: int, rows: list[tuple[Any, ...]], now: float) -> None:
@@ -482,22 +486,36 @@ class OutboxRelay:
         """Send the next draining fetch (the rows after ``_hwm``) without waiting for it
         (psycopg pipeline mode): Postgres reads them while this batch is produced, and the
         next :meth:`_fetch` takes the result (:meth:`_take_ahead`). Until then ``conn`` runs
-        nothing else: every other use of it takes (or drops) the read-ahead first."""
+        nothing else: every other use of it takes (or drops) the read-ahead first.
+
+        The query is followed by a Sync at once (without waiting for its result): a query sent
+        in pipeline mode with no Sync leaves the backend ``active`` (ClientRead) in an open
+        implicit transaction, where neither idle timeout of the lock session applies, so a
+        relay frozen before it took the read-ahead kept the relay lock (and its snapshot) for
+        as long as it was frozen and no standby took over
+        (tests/e2e/test_break_relay_readahead_frozen.py). After the Sync the session is idle
+        once the rows are sent: ``relay_lock_timeout_s`` ends it."""
         pipeline = conn.pipeline()
-        pipeline.__enter__()
+        pl = pipeline.__enter__()
         try:
             cur = conn.cursor(row_factory=tuple_row, binary=True)
             cur.execute(Q["outbox_fetch_after"], (self._hwm, self.settings.relay_batch_size))
+            # Pipeline.sync() would also wait for the rows; queue and send the Sync alone
+            # (psycopg's own steps of sync(), without its fetch).
+            pl._enqueue_sync()
+            conn.wait(pl._communicate_gen())
         except BaseException:
             pipeline.__exit__(None, None, None)
             raise
         self.stats.transactions += 1
         self._ahead = (self._hwm, cur, pipeline)
 
-    def _take_ahead(self, after: int | None) -> list[tuple[Any, ...]] | None:
+    def _take_ahead(self, after: int | None, *, rearm: bool = True
+                    ) -> list[tuple[Any, ...]] | None:
         """Wait for the read-ahead (if one was sent) and leave pipeline mode; its rows when
         it read after id ``after`` (the fetch the caller would run), else None (dropped: the
-        caller reads again)."""
+        caller reads again). ``rearm``: then run one statement (:meth:`_rearm`); False when
+        the caller runs one next."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return None
@@ -507,7 +525,18 @@ class OutboxRelay:
         finally:
             cur.close()
             pipeline.__exit__(None, None, None)
+        if rearm:
+            self._rearm(cur.connection)
         return rows if at == after else None
+
+    def _rearm(self, conn: Conn) -> None:
+        """One statement on the lock session after a pipeline: psycopg ends a pipeline with a
+        Flush request after its Sync, and a Flush disarms Postgres' ``idle_session_timeout``
+        (armed again only when the next statement finishes), so a relay frozen after taking
+        its read-ahead (e.g. in the caught-up wait after a drain, or the backoff after a
+        failed delivery) kept the relay lock for as long as it was frozen."""
+        conn.execute(Q["relay_touch"])
+        self._touched = time.monotonic()
 
     def _forget_floor(self) -> None:
         """Read from id 0 next time (a row was given back as undelivered: it may lie below
@@ -869,7 +898,7 @@ class OutboxRelay:
             return 0
         log_published = self.settings.relay_published_log
         if self._marker is None:
-            self._take_ahead(None)
+            self._take_ahead(None, rearm=False)
             self.stats.transactions += 1
             conn.execute(Q["outbox_delete_published" if log_published
                            else "outbox_delete_published_nolog"],
@@ -1103,7 +1132,7 @@ class OutboxRelay:
         released), never a live relay's. Raises ``psycopg.OperationalError`` when the
         session is gone (the lock with it)."""
         if time.monotonic() - self._touched >= self.settings.relay_lock_timeout_s / 3:
-            self._take_ahead(None)
+            self._take_ahead(None, rearm=False)
             conn.execute(Q["relay_touch"])
             self._touched = time.monotonic()
 

@@ -11,6 +11,7 @@ import importlib
 import os
 import tempfile
 from collections.abc import Callable, Iterable
+from time import monotonic
 from typing import Any
 
 import faust
@@ -21,6 +22,7 @@ from jobstream.store import Store
 from schemas.pipeline import PIPELINE, Pipeline
 from streams import delivery, offsets, records
 from streams.context import StageContext
+from streams.tables import NoTablesManager
 
 
 def agents(pipeline: Pipeline = PIPELINE) -> dict[str, Callable[[faust.App, StageContext], Any]]:
@@ -52,13 +54,18 @@ class QuietMonitor(Monitor):
     times per message (message in/out, stream event in/out) and once per produce, to keep
     counters and per-stream timings that only faust's web views read, and the workers run
     with ``web_enabled=False``. Offset commits, end offsets and rebalances are still tracked
-    (the base class)."""
+    (the base class), and so is ``stream_inbound_time`` (when a stream last took an event of
+    a partition, monotonic s): faust's consumer reads it in its livelock check, and without it
+    a worker older than ``stream_processing_timeout`` (300 s) logged ERROR "Stream has not
+    started processing" for every partition with a backlog beyond its fetch position (breaker7).
+    """
 
     def on_message_in(self, tp: Any, offset: int, message: Any) -> None:
         """Not tracked."""
 
     def on_stream_event_in(self, tp: Any, offset: int, stream: Any, event: Any) -> None:
-        """Not tracked."""
+        """Only the partition's inbound time (faust's livelock check reads it)."""
+        self.stream_inbound_time[tp] = monotonic()
 
     def on_stream_event_out(self, tp: Any, offset: int, stream: Any, event: Any,
                             state: Any = None) -> None:
@@ -129,6 +136,7 @@ def create_app(settings: Settings, stages: Iterable[str] | None = None,
         # tracebacks while it would wait.
         stream_wait_empty=False,
         monitor=QuietMonitor(),
+        TableManager=NoTablesManager,  # no faust tables: no 1 s start-up pause for them
     )
     offsets.install(app)
     ctx = StageContext(settings=settings, store=store or Store.for_process(

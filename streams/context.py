@@ -59,7 +59,8 @@ class StageContext:
                 s = self.settings
                 self._limiter = SharedLimiter(self.store, max_limit=s.provider_max_concurrency,
                                               reserved=s.provider_interactive_reserved,
-                                              hold_s=s.provider_timeout_s + 30)
+                                              hold_s=s.provider_timeout_s
+                                              + s.provider_slot_margin_s)
             return self._limiter
 
     def code_version(self, stage: str) -> str:

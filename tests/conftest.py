@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import psycopg
 import pytest
@@ -31,6 +31,8 @@ from jobstream.kafka import delete_topics, ensure_topics
 from jobstream.services import SCRIPT, kafka_answers, postgres_answers
 from jobstream.settings import DEFAULT_DATABASE_URL, DEFAULT_KAFKA, Settings
 from tests.helpers import ProcessRunner
+
+T = TypeVar("T")
 
 #: Modules whose tests share an expensive module-scoped fixture (a private Kafka + Postgres, a
 #: Kafka Connect worker): under pytest-xdist one worker runs each of them whole, so the fixture
@@ -172,14 +174,110 @@ def _database_dropper(endpoints: Endpoints) -> Iterator[_Dropper]:
     dropper.close()
 
 
+class _Maker(Generic[T]):
+    """Makes what tests take (``create()``) in a background thread, up to ``ahead`` before
+    the tests take it: a fresh database cloned from the template, a topic prefix with its
+    topics created.
+
+    ``CREATE DATABASE ... TEMPLATE`` takes 0.2-0.7 s alone and up to ~10 s when others load
+    the shared server, creating a prefix's topics 0.1-0.5 s: time a test's setup no longer
+    waits for. Each test still gets its own, made for it alone from the same untouched
+    template / topic layout. :meth:`take` raises what a ``create()`` raised. :meth:`close`
+    (session end) hands what no test took to ``discard``."""
+
+    def __init__(self, name: str, create: Callable[[], T], discard: Callable[[T], None],
+                 ahead: int = 2) -> None:
+        self.create, self.discard = create, discard
+        self.ready: queue.Queue[T | BaseException] = queue.Queue(maxsize=ahead)
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            item: T | BaseException
+            try:
+                item = self.create()
+            except Exception as exc:  # raised by take()
+                item = exc
+            while True:
+                if self.stopping.is_set():
+                    if not isinstance(item, BaseException):
+                        self.discard(item)
+                    return
+                try:
+                    self.ready.put(item, timeout=0.2)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, BaseException):
+                return
+
+    def take(self, timeout_s: float = 120.0) -> T:
+        """The next one made (waits ``timeout_s`` at most)."""
+        try:
+            item = self.ready.get(timeout=timeout_s)
+        except queue.Empty:
+            raise AssertionError(f"{self.thread.name}: nothing made in {timeout_s}s") from None
+        if isinstance(item, BaseException):
+            self.ready.put(item)  # every later test fails the same way
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stop making; discard what no test took."""
+        self.stopping.set()
+        self.thread.join(120)
+        while True:
+            try:
+                item = self.ready.get_nowait()
+            except queue.Empty:
+                break
+            if not isinstance(item, BaseException):
+                self.discard(item)
+
+
+@pytest.fixture(scope="session")
+def _database_maker(endpoints: Endpoints, template_db: str,
+                    _database_dropper: _Dropper) -> Iterator[_Maker[str]]:
+    def create() -> str:
+        name = f"jobstream_t_{uuid.uuid4().hex[:10]}"
+        with psycopg.connect(endpoints.database_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                sql.Identifier(name), sql.Identifier(template_db)))
+        return name
+    maker = _Maker("create-test-databases", create, _database_dropper.drop)
+    yield maker
+    maker.close()
+
+
+def _suite_settings(database_url: str, kafka: str, topic_prefix: str) -> Settings:
+    """The suite's settings (see :func:`make_settings`)."""
+    return Settings(database_url=database_url, kafka_bootstrap_servers=kafka,
+                    topic_prefix=topic_prefix, consumer_session_timeout_ms=6000,
+                    relay_poll_interval_s=0.2, lease_s=30.0, provider_backoff_base_s=0.05,
+                    provider_slot_margin_s=5.0)
+
+
+@pytest.fixture(scope="session")
+def _topics_maker(endpoints: Endpoints) -> Iterator[_Maker[str]]:
+    def settings_of(prefix: str) -> Settings:
+        return _suite_settings(endpoints.database_url, endpoints.kafka, prefix)
+
+    def create() -> str:
+        prefix = f"t{uuid.uuid4().hex[:8]}."
+        ensure_topics(settings_of(prefix))
+        return prefix
+    maker = _Maker("create-test-topics", create, lambda p: delete_topics(settings_of(p)))
+    yield maker
+    maker.close()
+
+
 @contextmanager
-def fresh_database(endpoints: Endpoints, template_db: str, dropper: _Dropper) -> Iterator[str]:
-    """A fresh database cloned from the migrated template; yields its URL, dropped afterwards
-    in the background (``_Dropper``)."""
-    name = f"jobstream_t_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(endpoints.database_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-            sql.Identifier(name), sql.Identifier(template_db)))
+def fresh_database(endpoints: Endpoints, maker: _Maker[str], dropper: _Dropper) -> Iterator[str]:
+    """A fresh database cloned from the migrated template (ahead of time, by ``_Maker``);
+    yields its URL, dropped afterwards in the background (``_Dropper``)."""
+    name = maker.take()
     try:
         yield _with_db(endpoints.database_url, name)
     finally:
@@ -187,13 +285,15 @@ def fresh_database(endpoints: Endpoints, template_db: str, dropper: _Dropper) ->
 
 
 @contextmanager
-def make_settings(endpoints: Endpoints, database_url: str) -> Iterator[Settings]:
-    """Settings on ``database_url`` with their own topic prefix (topics created, deleted
-    afterwards) and the suite's short timeouts."""
-    s = Settings(database_url=database_url, kafka_bootstrap_servers=endpoints.kafka,
-                 topic_prefix=f"t{uuid.uuid4().hex[:8]}.", consumer_session_timeout_ms=6000,
-                 relay_poll_interval_s=0.2, lease_s=30.0, provider_backoff_base_s=0.05)
-    ensure_topics(s)
+def make_settings(endpoints: Endpoints, database_url: str, topics: _Maker[str]
+                  ) -> Iterator[Settings]:
+    """Settings on ``database_url`` with their own topic prefix (topics created ahead by
+    ``topics``, checked here, deleted afterwards) and the suite's short timeouts. A killed or
+    frozen worker's provider slots free ``provider_timeout_s`` + 5 s after they were taken
+    (default + 30 s): the fake providers answer on loopback, and a restarted worker need not
+    wait 25 s more for them."""
+    s = _suite_settings(database_url, endpoints.kafka, topics.take())
+    ensure_topics(s)  # every topic there already: one metadata request
     try:
         yield s
     finally:
@@ -201,40 +301,44 @@ def make_settings(endpoints: Endpoints, database_url: str) -> Iterator[Settings]
 
 
 @pytest.fixture
-def database_url(endpoints: Endpoints, template_db: str,
+def database_url(endpoints: Endpoints, _database_maker: _Maker[str],
                  _database_dropper: _Dropper) -> Iterator[str]:
-    """A fresh database for one test, cloned from the migrated template (dropped after the
-    test, in the background: ``_Dropper``)."""
-    with fresh_database(endpoints, template_db, _database_dropper) as url:
+    """A fresh database for one test, cloned from the migrated template (ahead of time, in
+    the background: ``_Maker``; dropped after the test, in the background: ``_Dropper``)."""
+    with fresh_database(endpoints, _database_maker, _database_dropper) as url:
         yield url
 
 
 @pytest.fixture
-def settings(endpoints: Endpoints, database_url: str) -> Iterator[Settings]:
+def settings(endpoints: Endpoints, database_url: str,
+             _topics_maker: _Maker[str]) -> Iterator[Settings]:
     """Settings of one test: own database, own topic prefix, short timeouts. The test's topics
     are deleted afterwards: a single-node broker's heap grows with every partition it holds,
     and a whole suite creates thousands."""
-    with make_settings(endpoints, database_url) as s:
+    with make_settings(endpoints, database_url, _topics_maker) as s:
         yield s
 
 
 @pytest.fixture(scope="session")
-def isolated_settings(endpoints: Endpoints, template_db: str,
-                      _database_dropper: _Dropper) -> Callable[[], Any]:
+def isolated_settings(endpoints: Endpoints, _database_maker: _Maker[str],
+                      _database_dropper: _Dropper, _topics_maker: _Maker[str]
+                      ) -> Callable[[], Any]:
     """A factory of context managers, each yielding :class:`Settings` exactly like the
     ``settings`` fixture's (own database, own topic prefix, short timeouts): for a module that
     runs independent points of one test function concurrently (``run_points_concurrently``)."""
     @contextmanager
     def make() -> Iterator[Settings]:
-        with fresh_database(endpoints, template_db, _database_dropper) as url, \
-                make_settings(endpoints, url) as s:
+        with fresh_database(endpoints, _database_maker, _database_dropper) as url, \
+                make_settings(endpoints, url, _topics_maker) as s:
             yield s
     return make
 
 
 @pytest.fixture
 def procs(settings: Settings, tmp_path) -> Iterator[ProcessRunner]:
-    """Starts jobstream processes for the test and kills whatever is left at teardown."""
+    """Starts jobstream processes for the test and kills (SIGKILL) whatever is left at
+    teardown (``ProcessRunner.kill_all``: the test is over, a graceful stop would only cost
+    time)."""
     runner = ProcessRunner(settings, tmp_path / "logs")
     yield runner
-    runner.stop_all()
+    runner.kill_all()

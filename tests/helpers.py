@@ -32,7 +32,8 @@ class ProcessRunner(_ProcessRunner):
             JOBSTREAM_CONSUMER_SESSION_TIMEOUT_MS=str(s.consumer_session_timeout_ms),
             JOBSTREAM_RELAY_POLL_INTERVAL_S=str(s.relay_poll_interval_s),
             JOBSTREAM_LEASE_S=str(s.lease_s),
-            JOBSTREAM_PROVIDER_BACKOFF_BASE_S=str(s.provider_backoff_base_s)), logdir)
+            JOBSTREAM_PROVIDER_BACKOFF_BASE_S=str(s.provider_backoff_base_s),
+            JOBSTREAM_PROVIDER_SLOT_MARGIN_S=str(s.provider_slot_margin_s)), logdir)
         self.settings = settings
 
     def start_api(self, tokens: dict[str, str], **env: str) -> tuple[str, Proc]:

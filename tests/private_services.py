@@ -114,8 +114,9 @@ def private_database(svc: PrivateServices, prefix: str, **settings: Any) -> Iter
     """Settings of one test on ``svc``: its own migrated database and topic prefix.
 
     ``settings`` are passed to :class:`Settings` over the defaults of these tests (6 s session
-    timeout, 0.2 s relay poll, 30 s lease, 0.05 s provider back-off). The database is dropped
-    afterwards, best effort: the service may be the one a failed test left stopped.
+    timeout, 0.2 s relay poll, 30 s lease, 0.05 s provider back-off, a dead holder's provider
+    slots freed 5 s after its provider timeout, as in ``tests/conftest.py``). The database is
+    dropped afterwards, best effort: the service may be the one a failed test left stopped.
     """
     name = f"jobstream_{prefix}_{uuid.uuid4().hex[:10]}"
     with psycopg.connect(svc.database_url, autocommit=True) as conn:
@@ -124,7 +125,7 @@ def private_database(svc: PrivateServices, prefix: str, **settings: Any) -> Iter
     migrate(url)
     options: dict[str, Any] = dict(
         consumer_session_timeout_ms=6000, relay_poll_interval_s=0.2, lease_s=30.0,
-        provider_backoff_base_s=0.05)
+        provider_backoff_base_s=0.05, provider_slot_margin_s=5.0)
     options.update(settings)
     s = Settings(database_url=url, kafka_bootstrap_servers=svc.kafka,
                  topic_prefix=f"{prefix}{uuid.uuid4().hex[:8]}.", **options)

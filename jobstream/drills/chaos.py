@@ -548,11 +548,9 @@ def run_point(base: Settings, fault: str, *, jobs: int, logdir: Path,
                     result.effects["stale_runs"] = sum(
                         _count_lines(p, "-> stale") for p in runner.procs)
         finally:
-            for p in runner.procs:  # a frozen process must wake up to hear SIGTERM
-                if p.popen.poll() is None:
-                    with contextlib.suppress(OSError):
-                        os.kill(p.popen.pid, signal.SIGCONT)
-            runner.stop_all(20)
+            # Everything the point checks was read: SIGKILL, not SIGTERM (a worker resumed
+            # after SIGSTOP ignores SIGTERM and cost the point a 20 s stop timeout).
+            runner.kill_all()
             result.seconds = time.monotonic() - t0
             if result.violations:
                 result.log_tails = runner.logs(2000)

@@ -17,6 +17,7 @@ Example
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -153,6 +154,21 @@ class ProcessRunner:
     def stop_all(self, timeout_s: float = 15.0) -> None:
         """SIGTERM everything still running, SIGKILL what is left after ``timeout_s``."""
         stop([p.popen for p in self.procs], timeout_s)
+
+    def kill_all(self) -> None:
+        """SIGKILL every child still running, its whole process group (each child has its own
+        session, so a text-extraction subprocess goes too; a SIGSTOPped child dies as well),
+        and reap it (10 s at most each). For the end of a test or drill point, once what it
+        checks was read: :meth:`stop_all`'s graceful SIGTERM takes 1-3 s per stage worker and
+        its whole timeout for a worker resumed after SIGSTOP (which does not exit on
+        SIGTERM)."""
+        for p in self.procs:
+            if p.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.popen.pid, signal.SIGKILL)
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.popen.wait(10)
 
     def logs(self, tail_chars: int = 3000) -> str:
         """The last ``tail_chars`` characters of every process log (for failure messages)."""

@@ -1,13 +1,15 @@
 """Breaking the consumer library's per-event path (``@consumer.on`` handlers only, as in the
-README's first example: the batch's handlers run in a psycopg pipeline) with real consumer
-processes, Kafka and Postgres.
+README's first example; the batch's handlers ran in a psycopg pipeline until breaker7) with
+real consumer processes, Kafka and Postgres.
 
 A consumer frozen (SIGSTOP) after its handlers ran and before its COMMIT holds the batch's
 ``processed_event`` rows. ``TRANSACTION_IDLE_TIMEOUT_S`` is meant to end that session, so the
 consumer that takes the partitions over does not wait on those rows; but Postgres arms the idle
 timeout only after a statement run outside a pipeline, and the last statements here ran in
-one: the next owner waited for as long as the first was frozen. Now one statement follows the
-pipeline; the next owner applies everything, the resumed consumer re-applies nothing.
+one: the next owner waited for as long as the first was frozen. Then one statement followed
+the pipeline; since breaker7 the handlers run without one (a freeze inside the pipeline was
+unbounded too: test_break_consumer_pipeline_mid.py). The next owner applies everything, the
+resumed consumer re-applies nothing.
 """
 
 from __future__ import annotations

@@ -47,10 +47,7 @@ def fake_env(settings: Settings, tmp_path: Path) -> Iterator[tuple[Settings, Pro
         try:
             yield s, runner, env
         finally:
-            for p in runner.procs:  # a frozen process must wake up to hear SIGTERM
-                if p.popen.poll() is None:
-                    os.kill(p.popen.pid, signal.SIGCONT)
-            runner.stop_all()
+            runner.kill_all()  # frozen ones too
 
 
 def test_a_cancelled_job_whose_next_event_was_lost_ends_cancelled(

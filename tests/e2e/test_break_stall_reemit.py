@@ -69,4 +69,4 @@ def test_a_stage_waiting_out_a_retry_after_is_not_re_emitted_as_stalled(
             assert fake.snapshot()["total"] == 2, fake.snapshot()
             assert took >= RETRY_AFTER_S - 1, took
         finally:
-            runner.stop_all()
+            runner.kill_all()

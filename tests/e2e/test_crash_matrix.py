@@ -8,10 +8,11 @@ restarted without the fault, and the invariants are checked from Postgres, the t
 provider's per-Idempotency-Key call counts.
 
 A killed worker's provider slots (the shared concurrency limit, ``jobstream/limiter.py``) expire
-``provider_timeout_s + 30`` seconds after they were taken, and until then the restarted worker
-may find no free slot. The fake provider answers at once, so the test runs with a 5 s provider
-timeout: a dead worker's slots free after 35 s instead of the default 90 s (the recovery the
-point proves is the same, only the wait for it is shorter).
+``provider_timeout_s + provider_slot_margin_s`` seconds after they were taken, and until then the
+restarted worker may find no free slot. The fake provider answers at once, so the test runs with
+a 5 s provider timeout and the suite's 5 s margin: a dead worker's slots free after 10 s instead
+of the default 90 s (the recovery the point proves is the same, only the wait for it is
+shorter).
 """
 
 from __future__ import annotations

@@ -48,9 +48,10 @@ def test_worker_joining_and_killed_mid_call_never_skips_an_offset(settings: Sett
     with FakeProvider({"default": {"latency_s": 0.7}}) as fake:
         s = chaos.chaos_settings(settings, fake.base_url, lease_s=6.0)
         env = {k: v for k, v in chaos.settings_env(s).items() if k.startswith("JOBSTREAM_")}
-        # A killed B's provider slots (the shared limit) are held provider_timeout_s + 30 s:
-        # 36 s with a 6 s timeout (the fake answers in 0.7 s), not the default 90 s, during
-        # which the survivor finds fewer free slots.
+        # A killed B's provider slots (the shared limit) are held provider_timeout_s +
+        # provider_slot_margin_s: 11 s with a 6 s timeout (the fake answers in 0.7 s) and the
+        # suite's 5 s margin, not the default 90 s, during which the survivor finds fewer free
+        # slots.
         env |= {"JOBSTREAM_LLM_CONCURRENCY": "4", "JOBSTREAM_SWEEP_GRACE_S": "3600",
                 "JOBSTREAM_CONSUMER_SESSION_TIMEOUT_MS": "6000",
                 "JOBSTREAM_PROVIDER_TIMEOUT_S": "6"}

@@ -114,10 +114,7 @@ def rig(settings: Settings, tmp_path: Path, request: pytest.FixtureRequest):
         s = s.model_copy(update=getattr(request, "param", {}))
         r = Rig(s, fake, tmp_path)
         yield r
-        for p in r.runner.procs:  # a frozen process must wake up to hear SIGTERM
-            if p.popen.poll() is None:
-                os.kill(p.popen.pid, signal.SIGCONT)
-        r.runner.stop_all()
+        r.runner.kill_all()  # frozen ones too (a resumed one ignores SIGTERM for 15 s)
 
 
 def _attempts(url: str) -> list[dict[str, Any]]:
@@ -174,11 +171,8 @@ def paused_worker_runs(request: pytest.FixtureRequest, isolated_settings: Any,
             rig = Rig(s, fake, tmp_path_factory.mktemp("paused-worker"))
             try:
                 return _a_paused_worker_never_strands_its_job(rig, how, second_worker)
-            finally:
-                for p in rig.runner.procs:  # a frozen process must wake up to hear SIGTERM
-                    if p.popen.poll() is None:
-                        os.kill(p.popen.pid, signal.SIGCONT)
-                rig.runner.stop_all()
+            finally:  # the case asserted what it needed: frozen processes too
+                rig.runner.kill_all()
     with run_points_concurrently(request, "test_a_paused_worker_never_strands_its_job", "case",
                                  run) as futs:
         yield futs

@@ -62,7 +62,7 @@ def private_procs(private_settings: Settings, tmp_path: Path) -> Iterator[Proces
     """Pipeline processes against the private instance, killed at teardown."""
     runner = ProcessRunner(private_settings, tmp_path / "logs")
     yield runner
-    runner.stop_all()
+    runner.kill_all()
 
 
 def _document(i: int, path: Path) -> Path:

@@ -170,7 +170,7 @@ def test_connection_starvation_is_reported_and_recovers_without_operator(
                                     "stranded_stages", "outbox_unpublished", "paid_twice"])
         assert not report.broken and not report.errors, report.text()
     finally:  # also when an assertion fails: no process outlives its test
-        runner.stop_all()
+        runner.kill_all()
 
 
 def _outage_over(log: str) -> bool:
@@ -219,4 +219,4 @@ def test_broker_outage_logs_a_few_lines_per_process(svc: PrivateServices, ps: Se
             assert text.count("kafka unreachable") == 1, (name, text[-3000:])
             assert text.count("kafka reachable again after") == 1, (name, text[-3000:])
     finally:
-        runner.stop_all()
+        runner.kill_all()

@@ -34,10 +34,7 @@ def race(settings: Settings, tmp_path: Path):
         # One LLM stage at a time per worker, so "the stage A holds" is one row.
         env["JOBSTREAM_LLM_CONCURRENCY"] = "1"
         yield s, runner, env, fake, tmp_path
-        for p in runner.procs:  # a frozen process must wake up to hear SIGTERM
-            if p.popen.poll() is None:
-                os.kill(p.popen.pid, signal.SIGCONT)
-        runner.stop_all()
+        runner.kill_all()  # frozen ones too
 
 
 def _submit(s: Settings, folder: Path, n: int, tenant: str | None = None,

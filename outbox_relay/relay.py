@@ -8,7 +8,9 @@ Protocol (design.md, "Outbox relay"):
 2. Read unpublished rows in id order (``published_at IS NULL``): after the last id fetched
    while a backlog drains, otherwise from a floor that trails by ``relay_late_commit_s``
    (and from id 0 every ``relay_full_rescan_s``), so a transaction that commits late with a
-   lower id is still published (see "the pipelined loop" below and docs/design-notes.md).
+   lower id is still published (see "the pipelined loop" below and docs/design-notes.md);
+   caught up, by probing only the ids it read past without a row (its gaps) while it knows
+   them all, instead of reading the range from the floor.
 3. Produce with an idempotent producer (``enable.idempotence=true``, ``acks=all``) without
    waiting: up to ``relay_max_in_flight`` rows are in flight while the next batch is fetched.
 4. Delete a row (keeping its compact ``outbox_published`` record, migration 0022) only after
@@ -62,6 +64,13 @@ RELAY_LOCK_ID = 0x6F757462  # "outb": the active-relay advisory lock
 HOUSEKEEPING_LOCK_ID = 0x6F757463  # the same for --housekeeping-only (Debezium publishes)
 CHANNEL = "outbox_v1"
 GC_MAX_BATCHES = 20  # per table and run: retention must not hold up publishing for long
+#: The look below the last id probes the ids it read past (gaps: rolled back, or a
+#: transaction still open) one by one while there are at most this many; with more, or
+#: while the gaps are not all known, it reads the id range from the floor (see _fetch).
+MAX_GAP_PROBES = 256
+#: Gaps tracked at most; beyond (a sequence jump, mass rollbacks) tracking restarts above the
+#: last id and the relay reads from the floor until the floor passes it.
+MAX_GAPS = 20000
 
 
 class DeliveryFailed(Exception):
@@ -273,6 +282,12 @@ class OutboxRelay:
         #: The next draining fetch, sent ahead in pipeline mode (_read_ahead): the id it
         #: reads after, its cursor and the pipeline's context manager.
         self._ahead: tuple[int, Any, Any] | None = None
+        #: Ids in (_gap_base, _hwm] that no fetch returned (a rolled-back insert, or a
+        #: transaction still open when the relay read past its id: a late commit) -> when
+        #: first seen missing (monotonic s); every other id in that range was fetched. See
+        #: _track_gaps and the comment above pump.
+        self._gaps: dict[int, float] = {}
+        self._gap_base = 0
 
     def stop(self, *_: Any) -> None:
         """Ask the relay loop to finish its current batch and return."""
@@ -312,6 +327,17 @@ class OutboxRelay:
     #   unpublished (or not yet visible) relay_late_commit_s ago: a transaction that had its
     #   id then has committed or rolled back by now. A transaction open longer than that is
     #   still found: every relay_full_rescan_s the relay reads from id 0.
+    # * The range from the floor walks the index entries (and visits the heap tuples) of every
+    #   row deleted since the last vacuum: 185-495 shared blocks per caught-up fetch in
+    #   perf-pg5's runs. Yet below its last id the relay only needs the ids it read past
+    #   without getting a row (``_gaps``: rolled back, or still open). So while every such
+    #   id above ``_gap_base`` is known, the floor is at or above ``_gap_base`` and there are
+    #   at most MAX_GAP_PROBES of them, the look below the last id probes those ids only (an
+    #   index lookup each) instead of the range. A gap is probed until a look at least
+    #   relay_late_commit_s after it was first seen (the same bound as the floor's), then
+    #   forgotten: a longer transaction waits for the full rescan, as before. Rows given
+    #   back (a failed delivery, a new session) restart the tracking above the last id, and
+    #   the range is read until the floor passes it.
 
     def pump(self, conn: Conn, *, fetch: bool = True) -> int:
         """One step of the pipelined relay: serve delivery reports, settle failures (raises
@@ -364,6 +390,7 @@ class OutboxRelay:
                 self.stats.transactions += 1
                 with conn.cursor(row_factory=tuple_row, binary=True) as cur:
                     rows = cur.execute(Q["outbox_fetch_after"], (self._hwm, n)).fetchall()
+            self._track_gaps(self._hwm, rows, now)
         else:
             self._take_ahead(None, rearm=False)  # the statement below follows
             rearm = False
@@ -371,8 +398,14 @@ class OutboxRelay:
             while floors and now - floors[0][0] >= st.relay_late_commit_s:
                 self._floor = floors.popleft()[1]
             floor = self._floor
+            gaps = self._gaps
+            probing = False
             if now - self._last_full >= st.relay_full_rescan_s:
                 floor, self._last_full = 0, now  # a transaction open longer than the window
+            elif floor >= self._gap_base and len(gaps) <= MAX_GAP_PROBES:
+                # Every id below the last one the relay has not fetched is in _gaps: probe
+                # those instead of reading the range (an empty range from the last id).
+                probing, floor = True, self._hwm
             pending = self._pending
             # Copied before the query: a row whose mark commits meanwhile is in the copy (and
             # skipped) or already published in the query's snapshot.
@@ -382,20 +415,38 @@ class OutboxRelay:
             # and the last id (those in flight, being deleted or deleted by this statement
             # skipped), then new rows after the last id. One round trip, one transaction.
             ids = self._take_acked()
-            skip = list(pending.keys() | marking | set(ids)
-                        | {r[0] for rows in self._held.values() for r in rows})
+            held = {r[0] for rows in self._held.values() for r in rows}
+            lowest = min((min(u) for u in (pending.keys(), marking, ids, held) if u),
+                         default=hwm + 1)
+            probe: list[int] = []
+            skip: list[int] = []
+            if probing:
+                # A gap was never fetched, so it is not in flight; checked all the same (a
+                # row re-sent while in flight is a duplicate). No range to skip rows in:
+                # the up to relay_max_in_flight ids in flight are not sent (the array's
+                # parse alone was ~1 ms of planning per look).
+                probe = [g for g in sorted(gaps) if g not in pending and g not in marking
+                         and g not in held]
+            else:
+                skip = list(pending.keys() | marking | set(ids) | held)
             self.stats.transactions += 1
             with conn.cursor(row_factory=tuple_row, binary=True) as cur:
                 rows = cur.execute(Q["outbox_delete_and_fetch"],
                                    {"floor": floor, "hwm": hwm, "skip": skip, "n": n,
+                                    "gaps": probe,
                                     **delete_params(ids, self._acked_at,
                                                     st.relay_published_log)}).fetchall()[:n]
             # Below ``low`` every row was published, or not yet visible: committed by a
             # transaction that was still open now (it has its id already).
             late = rows[0][0] if rows and rows[0][0] <= hwm else hwm + 1
-            low = min(late, min(skip) if skip else hwm + 1) - 1
+            low = min(late, lowest, probe[0] if probe else hwm + 1) - 1
             floors.append((now, low))
             self._last_rescan = now
+            self._track_gaps(hwm, rows, now)
+            if gaps:  # looked for now (probed or in the range): forget those due
+                due = now - st.relay_late_commit_s
+                for gap in [g for g, seen in gaps.items() if seen <= due]:
+                    del gaps[gap]
         self._draining = len(rows) >= n
         if rows:
             self._hwm = max(self._hwm, max(r[0] for r in rows))
@@ -405,6 +456,31 @@ class OutboxRelay:
         elif rearm:
             self._rearm(conn)
         return rows
+
+    def _track_gaps(self, after: int, rows: list[tuple[Any, ...]], now: float) -> None:
+        """Keep ``_gaps`` (see the comment above :meth:`pump`) after a fetch of ``rows`` (in
+        id order: those at or below ``after``, the last id before the fetch, first) that read
+        every id in (``after``, its last row's id]: the rows at or below ``after`` were gaps
+        (late commits) and are forgotten; the ids above ``after`` it read past without a row
+        are new gaps, first seen ``now`` (monotonic s)."""
+        if not rows or (rows[0][0] > after and rows[-1][0] - after == len(rows)):
+            return  # nothing read past (the usual case: consecutive ids)
+        gaps, prev = self._gaps, after
+        for row in rows:
+            i = row[0]
+            if i <= after:
+                gaps.pop(i, None)
+                continue
+            if i > prev + 1:
+                if len(gaps) + i - prev - 1 > MAX_GAPS:
+                    # Too many to track: restart above the last id read (the range from the
+                    # floor is read until the floor passes it).
+                    gaps.clear()
+                    self._gap_base = rows[-1][0]
+                    return
+                for gap in range(prev + 1, i):
+                    gaps[gap] = now
+            prev = i
 
     def _read_ahead(self, conn: Conn) -> None:
         """Send the next draining fetch (the rows after ``_hwm``) without waiting for it
@@ -464,9 +540,12 @@ class OutboxRelay:
 
     def _forget_floor(self) -> None:
         """Read from id 0 next time (a row was given back as undelivered: it may lie below
-        the floor)."""
+        the floor); the ids the relay has not fetched are known again only above the last
+        id (``_gaps``)."""
         self._floor, self._draining = 0, False
         self._floors.clear()
+        self._gaps.clear()
+        self._gap_base = self._hwm
 
     def _produce(self, rows: list[tuple[Any, ...]]) -> None:
         """Hand ``rows`` to the producer; each one's delivery report lands in ``_on_delivery``.

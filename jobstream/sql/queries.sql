@@ -655,7 +655,10 @@ DELETE FROM outbox WHERE id = ANY(%(ids)s::bigint[]);
 -- The relay caught up (outbox_relay/relay.py, "fewer transactions"): the rows acknowledged
 -- since its last fetch are deleted and the next rows fetched in ONE statement (one round trip,
 -- one transaction). The SELECTs see the snapshot taken before the DELETE: the rows being
--- deleted are in %(skip)s (or at or below %(hwm)s).
+-- deleted are in %(skip)s (or at or below %(hwm)s). Below the last id either the range from
+-- the floor is read or, when the relay knows every id it read past without a row, those ids
+-- (%(gaps)s) are probed and the range is empty (%(floor)s = %(hwm)s): the range walks the index
+-- entries of every row deleted since the last vacuum (issue 12, perf-relay6).
 WITH gone AS (DELETE FROM outbox WHERE id = ANY(%(ids)s::bigint[])
               RETURNING id, event_id, event_type, kafka_key, created_at),
      kept AS (INSERT INTO outbox_published (id, event_id, event_type, kafka_key, created_at,
@@ -664,6 +667,11 @@ WITH gone AS (DELETE FROM outbox WHERE id = ANY(%(ids)s::bigint[])
                WHERE %(log)s)
 (SELECT id, topic, kafka_key, payload, headers, event_type FROM outbox
   WHERE published_at IS NULL AND id > %(floor)s AND id <= %(hwm)s
+    AND id <> ALL(%(skip)s::bigint[])
+  ORDER BY id LIMIT %(n)s)
+UNION ALL
+(SELECT id, topic, kafka_key, payload, headers, event_type FROM outbox
+  WHERE id = ANY(%(gaps)s::bigint[]) AND published_at IS NULL
     AND id <> ALL(%(skip)s::bigint[])
   ORDER BY id LIMIT %(n)s)
 UNION ALL

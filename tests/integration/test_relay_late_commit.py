@@ -78,3 +78,51 @@ def test_rows_committed_late_with_lower_ids_are_published_once(
     assert len(on_time) >= 20 and set(keys.values()) == {1}, keys.most_common(3)
     assert short_id < long_id
     assert relay.popen.poll() is None and "Traceback" not in relay.log_text()
+
+
+def test_late_commits_are_found_by_their_gaps_and_after_a_sequence_jump(
+        settings: Settings, procs: ProcessRunner) -> None:
+    """Caught up, the relay no longer reads the id range from its floor (which walks the index
+    entries of every row deleted since the last vacuum) but probes the ids it read past without
+    a row, its gaps (perf-relay6). A row committed late within ``relay_late_commit_s`` must be
+    found by that probe, long before the full rescan (10 minutes here); an id rolled back (a gap
+    that never fills) holds nothing up; and after a sequence jump too large to track
+    (``MAX_GAPS``) the relay reads the range from its floor again and still finds a late row."""
+    from outbox_relay.relay import MAX_GAPS
+
+    topic = settings.topic("job.failed")
+    url = settings.database_url
+    relay = procs.start("relay", JOBSTREAM_RELAY_LATE_COMMIT_S="30",
+                        JOBSTREAM_RELAY_FULL_RESCAN_S="600")
+    wait_for(lambda: "relay active" in relay.log_text(), 60, "the relay to be active",
+             procs.logs)
+
+    def publish_past(late: psycopg.Connection, key: str, jump: int = 0) -> int:
+        """``late`` takes an id and stays open; an id is rolled back; rows after both are
+        committed and published (the relay read past both ids); then ``late`` commits."""
+        late_id = _insert(late, topic, key)
+        with psycopg.connect(url) as rolled_back:
+            _insert(rolled_back, topic, "rolled-back")
+            rolled_back.rollback()
+        with psycopg.connect(url, autocommit=True) as conn:
+            if jump:
+                conn.execute("SELECT setval('outbox_id_seq', nextval('outbox_id_seq') + %s)",
+                             (jump,))
+            last = max(_insert(conn, topic, f"{key}-next-{i}") for i in range(5))
+        wait_for(lambda: query(url, "SELECT count(*) AS n FROM outbox_published "
+                                    "WHERE id > %s AND id <= %s", (late_id, last))[0]["n"] == 5,
+                 60, f"the rows after {key} published first", procs.logs)
+        late.commit()
+        return late_id
+
+    for key, jump in (("late-gap", 0), ("late-after-jump", MAX_GAPS + 10)):
+        with psycopg.connect(url) as late:
+            publish_past(late, key, jump)
+        # Bounded well below the full rescan (600 s) and the late-commit window (30 s).
+        wait_for(lambda: not query(url, "SELECT 1 FROM outbox"), 20,
+                 f"{key}: the late row published without a full rescan", procs.logs)
+    keys = Counter(m.key().decode() for m in read_topic(settings, topic))
+    assert keys["late-gap"] == 1 and keys["late-after-jump"] == 1, keys
+    assert "rolled-back" not in keys and set(keys.values()) == {1}, keys
+    assert sum(1 for k in keys if "-next-" in k) == 10, keys
+    assert relay.popen.poll() is None and "Traceback" not in relay.log_text()

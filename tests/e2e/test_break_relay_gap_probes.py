@@ -47,10 +47,10 @@ def _burn(conn: psycopg.Connection[object], topic: str, n: int) -> None:
 
 
 @pytest.mark.parametrize("kill,jump,burnt,batch", [
-    (signal.SIGKILL, False, 12, 500), (signal.SIGSTOP, True, 12, 500), (None, True, 12, 500),
-    (signal.SIGKILL, False, 4, 500), (signal.SIGSTOP, True, 4, 7), (None, True, 4, 7)],
-    ids=["sigkill-range", "sigstop-jump-range", "jump-range", "sigkill-probed",
-         "sigstop-jump-probed-draining", "jump-probed-draining"])
+    (signal.SIGSTOP, True, 12, 500), (None, True, 12, 500), (signal.SIGKILL, False, 4, 500),
+    (signal.SIGSTOP, True, 4, 7), (None, True, 4, 7)],
+    ids=["sigstop-jump-range", "jump-range", "sigkill-probed", "sigstop-jump-probed-draining",
+         "jump-probed-draining"])
 def test_late_commits_among_many_gaps_survive_takeover_and_sequence_jump(
         settings: Settings, procs: ProcessRunner, kill: signal.Signals | None,
         jump: bool, burnt: int, batch: int) -> None:

@@ -25,7 +25,7 @@ ONE transaction: one multi-row ``processed_event`` insert (``INSERT ... SELECT F
 ON CONFLICT DO NOTHING RETURNING``) tells which keys are new, the handler runs for the first
 copy of each new key -- the batch handler (:meth:`IdempotentConsumer.on_batch`, e.g. one
 prepared ``INSERT ... SELECT FROM unnest`` per table) once for all of them, else the per-event
-handler for each, its statements pipelined -- one commit, then the poison ones of the batch are
+handler for each, one statement at a time -- one commit, then the poison ones of the batch are
 dead-lettered and the offsets stored. If the handler raises, the batch is rolled back and split
 in halves, each applied on its own, down to one message per transaction, so a bad message costs
 only itself and its neighbours are applied exactly once. With ``decode_ahead`` (the default)

@@ -395,6 +395,15 @@ class OutboxRelay:
             self._take_ahead(None, rearm=False)  # the statement below follows
             rearm = False
             floors = self._floors
+            if now - self._last_rescan >= st.relay_late_commit_s:
+                # No look for that long (the relay was frozen or stalled): a transaction that
+                # was open (invisible) at the last looks may have committed meanwhile, above
+                # the lows they recorded. Count the window from now: keep the floor, drop the
+                # later lows, see the gaps as new (breaker8,
+                # tests/e2e/test_break_relay_frozen_range.py).
+                floors.clear()
+                for gap in self._gaps:
+                    self._gaps[gap] = now
             while floors and now - floors[0][0] >= st.relay_late_commit_s:
                 self._floor = floors.popleft()[1]
             floor = self._floor

@@ -62,6 +62,21 @@ class ProcessRunner(_ProcessRunner):
                 "downstream": self.start("consume-ready", **env)}
 
 
+def produce_at(settings: Settings, topic: str, parts: list[tuple[int, bytes, bytes]]) -> None:
+    """Produce ``(partition, key, value)`` to ``topic`` (full name) in order and wait until
+    each is acknowledged (60 s at most); asserts no delivery failed."""
+    from confluent_kafka import Producer
+
+    from jobstream.kafka import producer_config
+    producer = Producer(producer_config(settings))
+    errors: list[object] = []
+    for partition, key, value in parts:
+        producer.produce(topic, value=value, key=key, partition=partition,
+                         on_delivery=lambda err, _m: errors.append(err) if err else None)
+        producer.poll(0)
+    assert producer.flush(60) == 0 and not errors, errors
+
+
 def query(url: str, q: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
     """Run one read-only test query (test-only SQL: assertions over the store's tables)."""
     with psycopg.connect(url, row_factory=dict_row, autocommit=True) as conn:

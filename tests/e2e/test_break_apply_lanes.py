@@ -18,27 +18,24 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from confluent_kafka import Producer
 
-from jobstream.kafka import group_lag, producer_config
+from jobstream.kafka import group_lag
 from jobstream.settings import Settings
 from schemas.events import encode_event
-from tests.helpers import ProcessRunner, job_ready, processed_rows, query, read_topic, wait_for
+from tests.helpers import (
+    ProcessRunner,
+    job_ready,
+    processed_rows,
+    produce_at,
+    query,
+    read_topic,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
 N = 400
 
-
-def _produce(settings: Settings, topic: str, parts: list[tuple[int, bytes, bytes]]) -> None:
-    """``(partition, key, value)`` in order, each acknowledged."""
-    producer = Producer(producer_config(settings))
-    errors: list[object] = []
-    for partition, key, value in parts:
-        producer.produce(topic, value=value, key=key, partition=partition,
-                         on_delivery=lambda err, _m: errors.append(err) if err else None)
-        producer.poll(0)
-    assert producer.flush(60) == 0 and not errors, errors
 
 
 def test_the_same_dedup_keys_in_both_apply_lanes_at_once_apply_once(
@@ -49,7 +46,7 @@ def test_the_same_dedup_keys_in_both_apply_lanes_at_once_apply_once(
     first = [(0, str(e.job_id).encode(), encode_event(e)) for e in events]
     copies = [(1, str(e.job_id).encode(), encode_event(e))
               for e in reversed(events + again)]
-    _produce(settings, topic, first + copies)
+    produce_at(settings, topic, first + copies)
     consumer = procs.start("consume-ready", JOBSTREAM_CONSUMER_APPLY_LANES="2")
     group = settings.group("downstream-ready-applier")
 
@@ -84,7 +81,7 @@ def test_a_consumer_killed_again_and_again_mid_lanes_applies_each_event_once(
     parts = [(i % 3, str(e.job_id).encode(), encode_event(e)) for i, e in enumerate(events)]
     parts += [((i + 1) % 3, str(e.job_id).encode(), encode_event(e))
               for i, e in enumerate(events) if i % 7 == 0]
-    _produce(settings, topic, parts)
+    produce_at(settings, topic, parts)
     env = {"JOBSTREAM_CONSUMER_APPLY_LANES": "2", "JOBSTREAM_CONSUMER_BATCH_SIZE": "400"}
     url = settings.database_url
 
@@ -126,7 +123,7 @@ def test_event_ids_reused_across_both_apply_lanes_at_once_are_dead_lettered_once
     first = [job_ready(f"eid{i}", charge_usd=0.5) for i in range(n)]
     other = [job_ready(f"eidx{i}", charge_usd=0.5).model_copy(
         update={"event_id": first[(i * 7) % n].event_id}) for i in range(n)]
-    _produce(settings, topic, [(0, str(e.job_id).encode(), encode_event(e)) for e in first]
+    produce_at(settings, topic, [(0, str(e.job_id).encode(), encode_event(e)) for e in first]
              + [(1, str(e.job_id).encode(), encode_event(e)) for e in other])
     consumer = procs.start("consume-ready", JOBSTREAM_CONSUMER_APPLY_LANES="2")
     group = settings.group("downstream-ready-applier")

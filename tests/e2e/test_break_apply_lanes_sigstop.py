@@ -17,12 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
-from confluent_kafka import Producer
 
-from jobstream.kafka import group_lag, producer_config
+from jobstream.kafka import group_lag
 from jobstream.settings import Settings
 from schemas.events import encode_event
-from tests.helpers import ProcessRunner, job_ready, query, read_topic, wait_for
+from tests.helpers import ProcessRunner, job_ready, produce_at, query, read_topic, wait_for
 
 #: consumer6's fix (the ready applier's batch write as one INSERT ... SELECT FROM unnest
 #: statement, migration 0035): without it a freeze inside COPY FROM STDIN holds the partitions
@@ -34,22 +33,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.skipif(
     "mid-COPY is the known open break of test_break_consumer_copy_frozen.py")]
 
 
-def _produce(settings: Settings, topic: str, parts: list[tuple[int, bytes, bytes]]) -> None:
-    """``(partition, key, value)`` in order, each acknowledged."""
-    producer = Producer(producer_config(settings))
-    errors: list[object] = []
-    for partition, key, value in parts:
-        producer.produce(topic, value=value, key=key, partition=partition,
-                         on_delivery=lambda err, _m: errors.append(err) if err else None)
-        producer.poll(0)
-    assert producer.flush(60) == 0 and not errors, errors
-
 
 def test_a_consumer_sigstopped_mid_lanes_past_its_session_applies_each_event_once(
         settings: Settings, procs: ProcessRunner) -> None:
     topic = settings.topic("job.ready")
     events = [job_ready(f"stop{i}", charge_usd=0.25) for i in range(2400)]
-    _produce(settings, topic, [(i % 3, str(e.job_id).encode(), encode_event(e))
+    produce_at(settings, topic, [(i % 3, str(e.job_id).encode(), encode_event(e))
                                for i, e in enumerate(events)]
              + [((i + 2) % 3, str(e.job_id).encode(), encode_event(e))
                 for i, e in enumerate(events) if i % 11 == 0])

@@ -21,26 +21,16 @@ from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
 import pytest
-from confluent_kafka import Producer
 
-from jobstream.kafka import group_lag, producer_config
+from jobstream.kafka import group_lag
 from jobstream.settings import Settings
 from schemas.events import encode_event
-from tests.helpers import ProcessRunner, job_ready, query, read_topic, wait_for
+from tests.helpers import ProcessRunner, job_ready, produce_at, query, read_topic, wait_for
 
 pytestmark = pytest.mark.e2e
 
 EMOJI = "\U0001F600"
 
-
-def _produce(settings: Settings, topic: str, parts: list[tuple[int, bytes, bytes]]) -> None:
-    producer = Producer(producer_config(settings))
-    errors: list[object] = []
-    for partition, key, value in parts:
-        producer.produce(topic, value=value, key=key, partition=partition,
-                         on_delivery=lambda err, _m: errors.append(err) if err else None)
-        producer.poll(0)
-    assert producer.flush(60) == 0 and not errors, errors
 
 
 def _raw(name: str, charge: Any = 0.5, **result: Any) -> tuple[str, bytes]:
@@ -94,7 +84,7 @@ def test_hostile_ready_values_in_lanes_under_kill9_are_applied_once_or_dead_lett
         at = 37 + j * 25  # spread among the valid ones, each sent twice
         parts.insert(at, (j % 3, name.encode(), value))
         parts.insert(at + 90, (j % 3, name.encode(), value))
-    _produce(settings, topic, parts)
+    produce_at(settings, topic, parts)
     env = {"JOBSTREAM_CONSUMER_APPLY_LANES": "2", "JOBSTREAM_CONSUMER_BATCH_SIZE": "400",
            "JOBSTREAM_CONSUMER_APPLY_LANES_MIN_BATCH": "2"}
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -75,6 +78,46 @@ def produce_at(settings: Settings, topic: str, parts: list[tuple[int, bytes, byt
                          on_delivery=lambda err, _m: errors.append(err) if err else None)
         producer.poll(0)
     assert producer.flush(60) == 0 and not errors, errors
+
+
+class ScriptRig:
+    """Child processes that each run one Python ``script`` (e.g. a library consumer probe)
+    with ``args``, this tree on ``PYTHONPATH`` and cwd, and one log per name under
+    ``tmp_path`` (``<name>.log``, stdout and stderr). :meth:`close` SIGKILLs them and closes
+    the logs."""
+
+    def __init__(self, tmp_path: Path, script: str, args: list[str], names: tuple[str, ...]
+                 ) -> None:
+        path = tmp_path / "script.py"
+        path.write_text(script)
+        self.args = [sys.executable, str(path), *args]
+        self.tmp_path = tmp_path
+        self.logs = {n: (tmp_path / f"{n}.log").open("w+") for n in names}
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.root = str(Path(__file__).resolve().parents[1])  # this tree, not another
+
+    def start(self, name: str, **env: str) -> subprocess.Popen[bytes]:
+        """Start the script logging to ``name``'s log, with ``env`` added to the environment."""
+        p = subprocess.Popen(self.args, stdout=self.logs[name], stderr=subprocess.STDOUT,
+                             env={**os.environ, **env, "PYTHONPATH": self.root}, cwd=self.root)
+        self.procs.append(p)
+        return p
+
+    def log(self, name: str) -> str:
+        """``name``'s log so far."""
+        return (self.tmp_path / f"{name}.log").read_text()
+
+    def all_logs(self) -> str:
+        """The last 3,000 characters of every log, each under its name."""
+        return "\n".join(f"--- {n}\n{self.log(n)[-3000:]}" for n in self.logs)
+
+    def close(self) -> None:
+        """SIGKILL every process started (a stopped one too), close the logs."""
+        for p in self.procs:
+            p.kill()
+            p.wait(10)
+        for f in self.logs.values():
+            f.close()
 
 
 def query(url: str, q: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:

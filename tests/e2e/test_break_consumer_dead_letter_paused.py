@@ -16,8 +16,6 @@ from __future__ import annotations
 import collections
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -29,7 +27,7 @@ from jobstream.kafka import group_lag
 from jobstream.producer import produce_raw
 from jobstream.settings import Settings
 from schemas.events import encode_event
-from tests.helpers import job_ready, query, read_topic, stopped, wait_for
+from tests.helpers import ScriptRig, job_ready, query, read_topic, stopped, wait_for
 
 pytestmark = pytest.mark.e2e
 SCHEMA = "lib_dlpause"
@@ -80,56 +78,35 @@ def test_a_consumer_paused_inside_a_dead_letter_delays_the_next_owner_only_bound
         msgs.append((b"k", encode_event(e)))
     produce_raw(settings, topic, msgs)
     group = settings.group("lib-dlpause")
-    script = tmp_path / "consumer.py"
-    script.write_text(CONSUMER)
-    args = [sys.executable, str(script), settings.kafka_bootstrap_servers, url, group,
-            settings.topic_prefix]
-    logs = {n: (tmp_path / f"{n}.log").open("w+") for n in ("paused", "next")}
-    procs: list[subprocess.Popen[bytes]] = []
-    root = str(Path(__file__).resolve().parents[2])
-
-    def log(name: str) -> str:
-        return (tmp_path / f"{name}.log").read_text()
-
-    def all_logs() -> str:
-        return "\n".join(f"--- {n}\n{log(n)[-3000:]}" for n in logs)
-
-    def start(name: str, freeze: str) -> subprocess.Popen[bytes]:
-        p = subprocess.Popen(args, stdout=logs[name], stderr=subprocess.STDOUT,
-                             env={**os.environ, "FREEZE": freeze, "PYTHONPATH": root}, cwd=root)
-        procs.append(p)
-        return p
+    rig = ScriptRig(tmp_path, CONSUMER, [settings.kafka_bootstrap_servers, url, group,
+                                         settings.topic_prefix], ("paused", "next"))
 
     def applied() -> int:
         return int(query(url, f"SELECT count(*) AS n FROM {SCHEMA}.applied")[0]["n"])  # noqa: S608
     try:
-        paused = start("paused", "1")
-        wait_for(lambda: "FREEZING" in log("paused"), 60, "the consumer to pause in a dead "
-                 "letter's transaction", all_logs)
+        paused = rig.start("paused", FREEZE="1")
+        wait_for(lambda: "FREEZING" in rig.log("paused"), 60, "the consumer to pause in a dead "
+                 "letter's transaction", rig.all_logs)
         wait_for(lambda: stopped(paused.pid), 5, "the consumer stopped")
         try:
-            start("next", "0")
+            rig.start("next", FREEZE="0")
             # The next owner gets the partition after the paused one's Kafka session (6 s),
             # then waits on the paused marker row until Postgres ends that session (the dead
             # letter's idle limit: 2 x (0.5 + 5) + 10 s here, see _dead_letter).
             wait_for(lambda: group_lag(settings, group, [topic]) == 0, 90,
                      "the next owner to take over and commit every offset while the first is "
-                     "paused", all_logs, every_s=0.5)
+                     "paused", rig.all_logs, every_s=0.5)
             assert stopped(paused.pid), "resumed early: inconclusive"
         finally:
             os.kill(paused.pid, signal.SIGCONT)
         time.sleep(3)  # the resumed consumer meets its ended session and the marked position
-        assert applied() == len(events), all_logs()
+        assert applied() == len(events), rig.all_logs()
         dlq: collections.Counter[int] = collections.Counter(
             int(dict(m.headers() or [])["dlq_original_offset"])
             for m in read_topic(settings, topic + ".dlq"))
         twice = [o for o, n in dlq.items() if n > 1]
         assert len(dlq) == len(events) and len(twice) <= 1 and max(dlq.values()) <= 2, \
-            f"DLQ records per original offset: {dict(dlq)}\n{all_logs()}"
-        assert all(p.poll() is None for p in procs), all_logs()
+            f"DLQ records per original offset: {dict(dlq)}\n{rig.all_logs()}"
+        assert all(p.poll() is None for p in rig.procs), rig.all_logs()
     finally:
-        for p in procs:
-            p.kill()
-            p.wait(10)
-        for f in logs.values():
-            f.close()
+        rig.close()

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,7 +26,7 @@ from consumers import create_tables
 from jobstream.producer import produce_raw
 from jobstream.settings import Settings
 from schemas.events import encode_event
-from tests.helpers import job_ready, query, wait_for
+from tests.helpers import ScriptRig, job_ready, query, stopped, wait_for
 
 pytestmark = pytest.mark.e2e
 SCHEMA = "lib_pipe"
@@ -67,10 +65,6 @@ def _applied(url: str) -> dict[str, int]:
         url, f"SELECT name, count(*) AS n FROM {SCHEMA}.applied GROUP BY name")}  # noqa: S608
 
 
-def _stopped(pid: int) -> bool:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] == "T"
-
 
 def test_a_library_consumer_frozen_after_its_pipelined_handlers_does_not_hold_the_partitions(
         settings: Settings, tmp_path: Path) -> None:
@@ -81,46 +75,25 @@ def test_a_library_consumer_frozen_after_its_pipelined_handlers_does_not_hold_th
     events = [job_ready(f"e{i}") for i in range(10)]
     topic = settings.topic("job.ready")
     produce_raw(settings, topic, [(b"k", encode_event(e)) for e in events])
-    script = tmp_path / "consumer.py"
-    script.write_text(CONSUMER)
-    args = [sys.executable, str(script), settings.kafka_bootstrap_servers, url,
-            settings.group("lib-pipe"), settings.topic_prefix]
-    logs = {n: (tmp_path / f"{n}.log").open("w+") for n in ("frozen", "next")}
-    procs: list[subprocess.Popen[bytes]] = []
-    root = str(Path(__file__).resolve().parents[2])  # this tree's consumers/, not another
-
-    def log(name: str) -> str:
-        return (tmp_path / f"{name}.log").read_text()
-
-    def start(name: str, freeze: str) -> subprocess.Popen[bytes]:
-        p = subprocess.Popen(args, stdout=logs[name], stderr=subprocess.STDOUT,
-                             env={**os.environ, "FREEZE": freeze, "PYTHONPATH": root},
-                             cwd=root)
-        procs.append(p)
-        return p
-
-    def all_logs() -> str:
-        return "\n".join(f"--- {n}\n{log(n)[-3000:]}" for n in logs)
+    rig = ScriptRig(tmp_path, CONSUMER, [settings.kafka_bootstrap_servers, url,
+                                         settings.group("lib-pipe"), settings.topic_prefix],
+                    ("frozen", "next"))
     try:
-        frozen = start("frozen", "1")
-        wait_for(lambda: "FREEZING" in log("frozen"), 60, "the consumer to freeze in its batch",
-                 all_logs)
+        frozen = rig.start("frozen", FREEZE="1")
+        wait_for(lambda: "FREEZING" in rig.log("frozen"), 60, "the consumer to freeze in its batch",
+                 rig.all_logs)
         frozen_at = time.monotonic()
         assert _applied(url) == {}
         try:
-            start("next", "0")
+            rig.start("next", FREEZE="0")
             wait_for(lambda: len(_applied(url)) == len(events), 60,
-                     "the next owner to apply every event while the first is frozen", all_logs)
-            assert _stopped(frozen.pid), "the frozen consumer was resumed early: inconclusive"
+                     "the next owner to apply every event while the first is frozen", rig.all_logs)
+            assert stopped(frozen.pid), "the frozen consumer was resumed early: inconclusive"
             assert time.monotonic() - frozen_at < 60
         finally:
             os.kill(frozen.pid, signal.SIGCONT)
         time.sleep(3)  # the resumed consumer finds its session gone and re-reads its batch
         assert set(_applied(url).values()) == {1}, _applied(url)
-        assert all(p.poll() is None for p in procs), all_logs()
+        assert all(p.poll() is None for p in rig.procs), rig.all_logs()
     finally:
-        for p in procs:
-            p.kill()
-            p.wait(10)
-        for f in logs.values():
-            f.close()
+        rig.close()

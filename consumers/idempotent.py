@@ -20,19 +20,21 @@ Any other handler error is retried until the same error failed the same message
 ``poison_after`` times, then dead-lettered as ``handler_error``. Poison never blocks a
 partition.
 
-Batches: the messages already fetched when one arrives (up to ``batch_size``) are applied in
-ONE transaction: one multi-row ``processed_event`` insert (``INSERT ... SELECT FROM unnest(...)
-ON CONFLICT DO NOTHING RETURNING``) tells which keys are new, the handler runs for the first
-copy of each new key -- the batch handler (:meth:`IdempotentConsumer.on_batch`, e.g. one
-prepared ``INSERT ... SELECT FROM unnest`` per table) once for all of them, else the per-event
-handler for each, one statement at a time -- one commit, then the poison ones of the batch are
-dead-lettered and the offsets stored. If the handler raises, the batch is rolled back and split
-in halves, each applied on its own, down to one message per transaction, so a bad message costs
-only itself and its neighbours are applied exactly once. With ``decode_ahead`` (the default)
-the next batch is fetched before this one is applied and a second thread decodes it while this
-one is in Postgres (it only reads message values: the Kafka consumer and Postgres stay in one
-thread), computes its dedup-key digests and runs the batch handler's ``prepare`` on each event
-(e.g. the ready applier's binary rows, :meth:`IdempotentConsumer.on_batch`).
+Batches: the messages already fetched when one arrives (up to ``batch_size`` messages and
+``batch_max_bytes`` bytes of keys and values; a single larger message is a batch of its own,
+applied alone) are applied in ONE transaction: one multi-row ``processed_event`` insert
+(``INSERT ... SELECT FROM unnest(...) ON CONFLICT DO NOTHING RETURNING``) tells which keys are
+new, the handler runs for the first copy of each new key -- the batch handler
+(:meth:`IdempotentConsumer.on_batch`, e.g. one prepared ``INSERT ... SELECT FROM unnest`` per
+table) once for all of them, else the per-event handler for each, one statement at a time -- one
+commit, then the poison ones of the batch are dead-lettered and the offsets stored. If the
+handler raises, the batch is rolled back and split in halves, each applied on its own, down to
+one message per transaction, so a bad message costs only itself and its neighbours are applied
+exactly once. With ``decode_ahead`` (the default) the next batch is fetched before this one is
+applied and a second thread decodes it while this one is in Postgres (it only reads message
+values: the Kafka consumer and Postgres stay in one thread), computes its dedup-key digests and
+runs the batch handler's ``prepare`` on each event (e.g. the ready applier's binary rows,
+:meth:`IdempotentConsumer.on_batch`).
 
 Apply lanes (``settings.apply_lanes``, 2 by default): a fetched batch of at least
 ``settings.apply_lanes_min_batch`` messages (200) is split by partition
@@ -146,6 +148,9 @@ _DEAD_LETTER_NS = uuid.UUID("6b0c1f0e-5d8a-4c59-9a8e-3f0f5a8e2d11")
 #: A dead letter's transaction outlives the DLQ produce it waits for (milliseconds, text).
 DEAD_LETTER_IDLE_LIMIT = "SELECT set_config('idle_in_transaction_session_timeout', %s, true)"
 _MISSING = object()
+#: Most messages :meth:`IdempotentConsumer._fetch` takes from the client at once while it fills
+#: a batch: what it took past the byte cap waits for the next batch, so at most this many.
+FETCH_CHUNK = 256
 
 
 @dataclass(frozen=True)
@@ -272,6 +277,8 @@ class IdempotentConsumer:
         self._prepared: dict[tuple[Any, Any, Any], Any] = {}
         # (dedup_key, event_type) -> its key_digest, computed by the decode-ahead thread.
         self._digests: dict[tuple[str, str], bytes] = {}
+        # Fetched after a batch reached settings.batch_max_bytes: the start of the next one.
+        self._carry: list[Message] = []
 
     @property
     def _conn(self) -> psycopg.Connection[DictRow] | None:
@@ -904,22 +911,42 @@ class IdempotentConsumer:
 
     def _fetch(self, timeout_s: float = 0.5) -> list[Message]:
         """The next message (waiting up to ``timeout_s`` seconds) and those already fetched
-        after it, up to ``max_batch`` (never waits for more); [] when none came."""
-        msg = self._consumer.poll(timeout_s)
-        if msg is None:
-            return []
-        got = [msg]
-        if self.max_batch > 1:
-            got += self._consumer.consume(self.max_batch - 1, 0)
-        msgs = []
-        for m in got:
-            err = m.error()
-            if err is not None:
-                if err.code() != KafkaError._PARTITION_EOF:
-                    log.warning("consumer error: %s", err)
-                continue
-            msgs.append(m)
-        return msgs
+        after it, up to ``max_batch`` messages and ``settings.batch_max_bytes`` bytes of keys
+        and values (never waits for more); [] when none came.
+
+        The message that would take the batch over the byte cap is kept, with the rest of
+        what was taken from the client with it (at most :data:`FETCH_CHUNK` messages), and
+        starts the next batch (no wait). A message larger than the cap is a batch of its own
+        (applied alone, :meth:`_one_by_one`). A kept message is not acknowledged until its own
+        batch is applied (at a stop it is delivered again, like a batch fetched ahead)."""
+        got = self._carry
+        self._carry = []
+        if not got:
+            msg = self._consumer.poll(timeout_s)
+            if msg is None:
+                return []
+            got = [msg]
+        cap, most = self.settings.batch_max_bytes, self.max_batch
+        msgs: list[Message] = []
+        size = 0
+        while True:
+            for i, m in enumerate(got):
+                err = m.error()
+                if err is not None:
+                    if err.code() != KafkaError._PARTITION_EOF:
+                        log.warning("consumer error: %s", err)
+                    continue
+                n = len(m.value() or b"") + len(m.key() or b"")
+                if msgs and (len(msgs) >= most or size + n > cap):
+                    self._carry = got[i:]  # the next batch starts with it
+                    return msgs
+                msgs.append(m)
+                size += n
+            if len(msgs) >= most or size >= cap:
+                return msgs
+            got = self._consumer.consume(min(most - len(msgs), FETCH_CHUNK), 0)
+            if not got:
+                return msgs
 
     def _decode_all(self, msgs: list[Message]) -> tuple[dict[tuple[Any, Any, Any], Any],
                                                         dict[tuple[Any, Any, Any], Any],
@@ -1030,6 +1057,7 @@ class IdempotentConsumer:
                 decoder.shutdown(wait=True, cancel_futures=True)
             if lanes is not None:
                 lanes.shutdown(wait=True)
+            self._carry = []  # fetched, not applied: delivered again
             self._consumer.close()  # commits the stored offsets
             self._sink.close()
             for conn in list(self._conns.values()):

@@ -39,6 +39,14 @@ class ConsumerSettings(BaseSettings):
                                    description="Name of the dead-letter fallback table.")
     topic_prefix: str = Field("", description="Prefix of every topic name (e.g. per tenant).")
     batch_size: int = Field(2000, ge=1, description="Most messages applied in one transaction.")
+    batch_max_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024,
+        description="Most bytes (message keys + values) applied in one transaction: a fetched "
+                    "batch stops before the message that would take it over this, and that "
+                    "message starts the next batch. Bounds the batch handler's parameters "
+                    "(one Bind message: Postgres refuses one over 1 GB) and the batch's "
+                    "memory. A single message larger than this is applied alone (its own "
+                    "transaction, the per-event handler), never skipped.")
     apply_lanes: int = Field(
         2, ge=1, le=16,
         description="Postgres connections applying one fetched batch: its messages are split "

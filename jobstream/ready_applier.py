@@ -218,12 +218,13 @@ def apply_ready_batch_json(conn: psycopg.Connection, events: list[JobReady]) -> 
 
 def consumer_settings(settings: Settings, group: str) -> ConsumerSettings:
     """The consumer library's settings for a jobstream consumer in ``group``: jobstream's
-    broker, database (tables on the search path, from jobstream's migrations), limits and
-    ``consumer_poison_after``."""
+    broker, database (tables on the search path, from jobstream's migrations), limits
+    (``consumer_batch_max_bytes`` included) and ``consumer_poison_after``."""
     return ConsumerSettings(
         bootstrap_servers=settings.kafka_bootstrap_servers, group=group,
         dsn=settings.database_url, db_schema="", topic_prefix=settings.topic_prefix,
         poison_after=settings.consumer_poison_after,
+        batch_max_bytes=settings.consumer_batch_max_bytes,
         max_message_bytes=settings.kafka_message_max_bytes,
         max_json_depth=settings.max_json_depth,
         dlq_produce_timeout_s=settings.dlq_produce_timeout_s,

@@ -240,6 +240,12 @@ class Settings(BaseSettings):
         10.0, gt=0, description="A dead letter not acknowledged by <topic>.dlq within this "
                                 "long is kept in the Postgres dead_letter table (seconds)."
     )
+    consumer_batch_max_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024,
+        description="Idempotent consumer (consume-ready): most bytes (keys + values) of "
+                    "messages applied in one transaction; a single larger message is applied "
+                    "alone (consumers.ConsumerSettings.batch_max_bytes).",
+    )
     consumer_poison_after: int = Field(
         5, ge=1, description="Idempotent consumer: the same handler error on the same message "
                              "this many times makes it poison (dead-lettered, partition moves on)."

@@ -296,6 +296,54 @@ def json_depth_exceeds(raw: bytes, max_depth: int) -> bool:
     return bool(brackets) and _PAIR.sub(b"", brackets) != brackets
 
 
+def schema_depth(schema: dict[str, Any]) -> int | None:
+    """The deepest nesting of arrays/objects a JSON document valid against ``schema`` (a JSON
+    Schema with local ``$defs``, as pydantic generates) can have: an object or array is one
+    level, a scalar none. ``None`` when it is not bounded (a value of any type, a recursive
+    reference, extra properties of any type)."""
+    defs: dict[str, Any] = schema.get("$defs", {})
+
+    def deepest(depths: list[int | None], plus: int = 0) -> int | None:
+        bounded = [d for d in depths if d is not None]
+        return None if len(bounded) < len(depths) else plus + max(bounded, default=0)
+
+    def walk(node: Any, refs: tuple[str, ...]) -> int | None:
+        if node is True or node == {} or not isinstance(node, dict):
+            return None if node is not False else 0
+        if "$ref" in node:
+            name = node["$ref"].rsplit("/", 1)[-1]
+            if name in refs or name not in defs:
+                return None
+            return walk(defs[name], (*refs, name))
+        depths: list[int | None] = [
+            walk(sub, refs) for key in ("anyOf", "oneOf", "allOf")
+            for sub in node.get(key, ())]
+        types = node.get("type")
+        types = [types] if isinstance(types, str) else list(types or [])
+        if not types and not depths and "const" not in node and "enum" not in node:
+            return None  # no type given: anything, nested as deep as it likes
+        for t in types:
+            if t == "object":
+                extra = node.get("additionalProperties", True)
+                subs = [*node.get("properties", {}).values(),
+                        *node.get("patternProperties", {}).values(), extra]
+                depths.append(deepest([walk(sub, refs) for sub in subs], 1))
+            elif t == "array":
+                subs = [*node.get("prefixItems", ()), node.get("items", True)]
+                depths.append(deepest([walk(sub, refs) for sub in subs], 1))
+            else:
+                depths.append(0)
+        return deepest(depths)
+
+    return walk(schema, ())
+
+
+#: The deepest a valid event nests (see :func:`schema_depth`); None = unbounded. With a
+#: ``max_depth`` at least this, :func:`decode_event` validates first and runs the depth scan
+#: only for what failed validation: a valid event cannot be deeper, so the outcome is the same.
+VALID_EVENT_DEPTH: Final = schema_depth(_ADAPTER.json_schema())
+
+
 def decode_event(raw: bytes | str | None, expected: str | tuple[str, ...] | None = None, *,
                  max_bytes: int = MAX_MESSAGE_BYTES, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """Parse and validate one event, bounded before parsing.
@@ -314,13 +362,21 @@ def decode_event(raw: bytes | str | None, expected: str | tuple[str, ...] | None
     if len(raw) > max_bytes:
         raise PoisonMessage(f"value of {len(raw)} bytes exceeds the limit of {max_bytes}",
                             code="message_too_large")
-    if json_depth_exceeds(raw, max_depth):
+    # The depth scan (~1 us per event of 1.3 KB, ~10 % of decoding) runs before anything
+    # parses, unless every valid event is shallower than max_depth: then a value that passes
+    # validation cannot be too deep, and only one that fails is scanned (before json.loads
+    # below; pydantic-core's own parser stops at its recursion limit). Same outcome either way.
+    scan_first = VALID_EVENT_DEPTH is None or max_depth < VALID_EVENT_DEPTH
+    if scan_first and json_depth_exceeds(raw, max_depth):
         raise PoisonMessage(f"JSON nested deeper than {max_depth} levels", code="json_too_deep")
     if b"\\u0000" in raw and _JSON_NUL.search(raw):  # a substring test first: 1 us, not 27
+        if not scan_first and json_depth_exceeds(raw, max_depth):  # the same reason as before
+            raise PoisonMessage(f"JSON nested deeper than {max_depth} levels",
+                                code="json_too_deep")
         raise PoisonMessage("a string contains U+0000 (NUL), which no event field may hold",
                             code="schema_violation")
     try:
-        return _decode(raw, expected)
+        return _decode(raw, expected, None if scan_first else max_depth)
     except PoisonMessage:
         raise
     except RecursionError:
@@ -330,7 +386,10 @@ def decode_event(raw: bytes | str | None, expected: str | tuple[str, ...] | None
                             code="not_json") from None
 
 
-def _decode(raw: bytes, expected: str | tuple[str, ...] | None) -> Any:
+def _decode(raw: bytes, expected: str | tuple[str, ...] | None,
+            scan_depth: int | None = None) -> Any:
+    """:func:`decode_event` after its bounds; ``scan_depth``: the depth limit still to check
+    when validation fails (None: checked already)."""
     wanted = (expected,) if isinstance(expected, str) else expected
     try:  # fast path: parse and validate in one pass (pydantic-core), no Python dict between
         event = _ADAPTER.validate_json(raw)
@@ -341,6 +400,9 @@ def _decode(raw: bytes, expected: str | tuple[str, ...] | None) -> Any:
             raise PoisonMessage(f"event_type {event.event_type!r} not in {list(wanted)}",
                                 code="unexpected_event_type")
         return event
+    if scan_depth is not None and json_depth_exceeds(raw, scan_depth):
+        raise PoisonMessage(f"JSON nested deeper than {scan_depth} levels",
+                            code="json_too_deep")
     try:
         obj = json.loads(raw)
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, int digits limit

@@ -127,3 +127,46 @@ _FIXED_ID = uuid.UUID("8eaa3248-7f9f-4a92-a8ee-2135efb1f56e")
 def test_odd_values_are_poison(raw: bytes | None) -> None:
     with pytest.raises(PoisonMessage):
         decode_event(raw, expected="job.ready")
+
+
+def _ready_json() -> bytes:
+    from schemas.events import DocumentAnalysis, JobReady, JobReadyPayload
+    return encode_event(JobReady(
+        tenant_id="t1", idempotency_key="k1", job_id=uuid.uuid4(), dedup_key="d" * 64,
+        payload=JobReadyPayload(
+            result=DocumentAnalysis(title="t", summary="s", keywords=["a"], word_count=1,
+                                    chunk_count=1, fields={"years": ["2020"]}),
+            document_sha256="a" * 64, filename="f", cost_usd=0.0, charge_usd=0.0)))
+
+
+def test_the_deepest_valid_event_bounds_the_depth_scan() -> None:
+    """decode_event validates first and scans the depth only of what fails when max_depth is
+    at least VALID_EVENT_DEPTH: the deepest valid event (job.ready: envelope, payload, result,
+    fields, a list) is 5 levels; an unbounded or recursive schema has no bound."""
+    from schemas.events import VALID_EVENT_DEPTH, schema_depth
+    assert VALID_EVENT_DEPTH == 5
+    raw = _ready_json()
+    assert json_depth_exceeds(raw, 4) and not json_depth_exceeds(raw, 5)
+    assert decode_event(raw, expected="job.ready", max_depth=5).payload.result.fields
+    with pytest.raises(PoisonMessage) as exc:  # below the bound: scanned first, as before
+        decode_event(raw, expected="job.ready", max_depth=4)
+    assert exc.value.code == "json_too_deep"
+    assert schema_depth({"type": "object", "properties": {"a": {}}}) is None
+    assert schema_depth({"type": "array", "items": {"$ref": "#/$defs/A"},
+                         "$defs": {"A": {"type": "array", "items": {"$ref": "#/$defs/A"}}}}
+                        ) is None
+    assert schema_depth({"type": "object", "additionalProperties": False, "properties": {
+        "a": {"type": "array", "items": {"type": "integer"}}}}) == 2
+
+
+@pytest.mark.parametrize("nul", [False, True])
+def test_too_deep_and_invalid_is_json_too_deep_whatever_else_is_wrong(nul: bool) -> None:
+    """A value that fails validation is still scanned before json.loads parses it (a NUL
+    escape in it too: the depth is reported first, as before the scan moved)."""
+    doc = json.loads(_ready_json())
+    doc["payload"]["result"]["fields"] = {"x": json.loads("[" * 70 + "]" * 70)}
+    if nul:
+        doc["request_id"] = "\u0000"
+    with pytest.raises(PoisonMessage) as exc:
+        decode_event(json.dumps(doc).encode(), expected="job.ready")
+    assert exc.value.code == "json_too_deep"

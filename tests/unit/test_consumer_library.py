@@ -90,6 +90,18 @@ def test_settings_come_from_the_consumer_prefix(monkeypatch: pytest.MonkeyPatch)
     assert (s.group, s.db_schema, s.poison_after) == ("billing", "billing", 3)
 
 
+def test_the_batch_byte_cap_reaches_the_library_and_consume_ready(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One variable sets the byte cap of a batch for the library and for `jobstream
+    consume-ready` (whose Settings pass it on); 64 MiB by default."""
+    from jobstream.ready_applier import consumer_settings
+    from jobstream.settings import Settings
+    assert ConsumerSettings().batch_max_bytes == 64 * 1024 * 1024
+    monkeypatch.setenv("JOBSTREAM_CONSUMER_BATCH_MAX_BYTES", "300000")
+    assert ConsumerSettings().batch_max_bytes == 300_000
+    assert consumer_settings(Settings(), "g").batch_max_bytes == 300_000
+
+
 def test_ddl_quotes_identifiers() -> None:
     q = ddl('we"ird', "pe")
     assert isinstance(q, sql.Composed)

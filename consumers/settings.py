@@ -40,11 +40,12 @@ class ConsumerSettings(BaseSettings):
     topic_prefix: str = Field("", description="Prefix of every topic name (e.g. per tenant).")
     batch_size: int = Field(2000, ge=1, description="Most messages applied in one transaction.")
     batch_max_bytes: int = Field(
-        64 * 1024 * 1024, ge=1024,
+        64 * 1024 * 1024, ge=1024, le=512 * 1024 * 1024,
         description="Most bytes (message keys + values) applied in one transaction: a fetched "
                     "batch stops before the message that would take it over this, and that "
                     "message starts the next batch. Bounds the batch handler's parameters "
-                    "(one Bind message: Postgres refuses one over 1 GB) and the batch's "
+                    "(one Bind message: Postgres refuses one over 1 GB, hence at most "
+                    "512 MiB) and the batch's "
                     "memory. A single message larger than this is applied alone (its own "
                     "transaction, the per-event handler), never skipped.")
     apply_lanes: int = Field(

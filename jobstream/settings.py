@@ -243,7 +243,7 @@ class Settings(BaseSettings):
                                 "long is kept in the Postgres dead_letter table (seconds)."
     )
     consumer_batch_max_bytes: int = Field(
-        64 * 1024 * 1024, ge=1024,
+        64 * 1024 * 1024, ge=1024, le=512 * 1024 * 1024,
         description="Idempotent consumer (consume-ready): most bytes (keys + values) of "
                     "messages applied in one transaction; a single larger message is applied "
                     "alone (consumers.ConsumerSettings.batch_max_bytes).",

@@ -100,6 +100,8 @@ def test_the_batch_byte_cap_reaches_the_library_and_consume_ready(
     monkeypatch.setenv("JOBSTREAM_CONSUMER_BATCH_MAX_BYTES", "300000")
     assert ConsumerSettings().batch_max_bytes == 300_000
     assert consumer_settings(Settings(), "g").batch_max_bytes == 300_000
+    with pytest.raises(ValueError, match="batch_max_bytes"):  # a Bind over 1 GB is refused
+        ConsumerSettings(batch_max_bytes=1024 ** 3)
 
 
 def test_ddl_quotes_identifiers() -> None:

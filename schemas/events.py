@@ -37,10 +37,12 @@ Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="sha256,
 NO_CONTROL_CHARS = r"^[^\x00-\x1f\x7f-\x9f]*$"
 Lane = Literal["interactive", "batch"]
 #: Counts and money are strict: a JSON number, never ``true``, ``"1.5"`` or ``"12"`` (pydantic's
-#: lax mode would coerce those). Money is finite and below 10^6 USD, what the
+#: lax mode would coerce those). Money is finite and at most 999,999.99999999 USD, what the
 #: ``numeric(14, 8)`` columns hold (a larger charge is a schema violation, not a database error
-#: after the event was accepted). An integer-valued count sent as ``5.0`` is rejected too.
-Usd = Annotated[float, Field(ge=0, lt=1_000_000, strict=True, allow_inf_nan=False)]
+#: after the event was accepted; ``lt=10^6`` let 999999.999999995 through, which rounds to 10^6
+#: at 8 decimals: breaker9). An integer-valued count sent as ``5.0`` is rejected too.
+USD_MAX = 999_999.99999999
+Usd = Annotated[float, Field(ge=0, le=USD_MAX, strict=True, allow_inf_nan=False)]
 
 
 class _Frozen(BaseModel):

@@ -121,6 +121,18 @@ def record_bytes(row: tuple[Any, ...]) -> int:
     return n
 
 
+def relay_topic_wait(settings: Settings) -> dict[str, int]:
+    """The relay producers' ``topic.metadata.propagation.max.ms`` (milliseconds):
+    ``relay_topic_propagation_ms``, unless ``kafka_extra`` sets it (then that, from
+    :func:`jobstream.kafka.base_config`). librdkafka's default (30 s) held the first row to a
+    topic the broker does not know (and the relay's flush with it) for half a minute before
+    it failed as missing; the relay holds such rows and re-sends them on the topic's own
+    backoff anyway (:meth:`OutboxRelay._hold`, docs/design-notes.md "Relay windows")."""
+    if "topic.metadata.propagation.max.ms" in settings.kafka_extra:
+        return {}
+    return {"topic.metadata.propagation.max.ms": settings.relay_topic_propagation_ms}
+
+
 def narrow_batch_bytes(limit: int) -> int:
     """The ``batch.size`` (bytes) of the producer that sends a narrow topic's rows: what a
     record batch may hold so that, framed (``BATCH_OVERHEAD``) and compressed (lz4's frame
@@ -245,7 +257,7 @@ class OutboxRelay:
         # linger.ms: relay_linger_ms (0: a caught-up row is sent at once; bench/README.md).
         self._producer = Producer(producer_config(settings, **{
             "client.id": "jobstream-relay", "partitioner": "murmur2_random",
-            "linger.ms": settings.relay_linger_ms}))
+            "linger.ms": settings.relay_linger_ms, **relay_topic_wait(settings)}))
         self._ctx: Any = None  # StageContext of the sweeper, made on first use
         # The pipeline (see pump): rows in flight by id, acknowledged (to mark), failed.
         self._pending: dict[int, tuple[Any, ...]] = {}
@@ -750,7 +762,8 @@ class OutboxRelay:
             producer.flush(5)
         self._narrow_producer = producer = Producer(producer_config(self.settings, **{
             "client.id": "jobstream-relay-narrow", "partitioner": "murmur2_random",
-            "linger.ms": self.settings.relay_linger_ms, "batch.size": want}))
+            "linger.ms": self.settings.relay_linger_ms, "batch.size": want,
+            **relay_topic_wait(self.settings)}))
         self._narrow_batch = want
         return producer
 

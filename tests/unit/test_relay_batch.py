@@ -93,8 +93,9 @@ ROWS = [(1, "t", "k1", b"v1", {"event_id": "e1", "schema_version": "1"}, "job.re
 
 def _deleted(conn: FakeConn) -> list[list[int]]:
     """The ids of every delete the relay ran (alone, or with a fetch)."""
-    return [p["ids"] for q, p in conn.executed
-            if q in (Q["outbox_delete_published"], Q["outbox_delete_and_fetch"]) and p["ids"]]
+    return [[int(i) for i in p["ids"].strip("{}").split(",")] for q, p in conn.executed
+            if q in (Q["outbox_delete_published"], Q["outbox_delete_and_fetch"])
+            and p["ids"] != "{}"]
 
 
 def test_rows_are_sent_in_order_then_deleted() -> None:

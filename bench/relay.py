@@ -80,7 +80,7 @@ from jobstream.db import connect
 from jobstream.kafka import base_config, producer_config
 from jobstream.settings import Settings
 from jobstream.store import OutboxMessage, Store, outbox_message
-from outbox_relay.relay import narrow_batch_bytes, relay_client_extra
+from outbox_relay.relay import narrow_batch_bytes
 from schemas.events import TextExtracted, TextExtractedPayload
 
 TOPIC_CONFIG = {"message.timestamp.type": "LogAppendTime"}
@@ -518,7 +518,7 @@ def raw_produce(settings: Settings, topic: str,
     if given. Returns the elapsed time and the produce() call time of each event id."""
     p = Producer(producer_config(settings, **{"client.id": "bench-raw",
                                               "linger.ms": settings.relay_linger_ms,
-                                              **relay_client_extra(settings), **RAW_EXTRA}))
+                                              **RAW_EXTRA}))
     p.list_topics(topic, timeout=10)  # connection + metadata before the clock starts
     # ... and the idempotent producer's id: the relay has it long before it is measured. The
     # warm-up message has no event_id header, so the collectors ignore it.

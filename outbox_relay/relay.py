@@ -124,24 +124,16 @@ def record_bytes(row: tuple[Any, ...]) -> int:
     return n
 
 
-def relay_client_extra(settings: Settings) -> dict[str, Any]:
-    """librdkafka settings of the relay's producers beyond :func:`producer_config`'s, each
-    unless ``kafka_extra`` sets it (then that one, from :func:`jobstream.kafka.base_config`):
-
-    * ``topic.metadata.propagation.max.ms`` = ``relay_topic_propagation_ms`` (ms): librdkafka's
-      default (30 s) held the first row to a topic the broker does not know (and the relay's
-      flush with it) for half a minute before it failed as missing; the relay holds such rows
-      and re-sends them on the topic's own backoff anyway (:meth:`OutboxRelay._hold`,
-      docs/design-notes.md "Relay windows").
-    * ``socket.nagle.disable`` = true (TCP_NODELAY): librdkafka leaves Nagle's algorithm on,
-      so a produce request written while the previous one's bytes are not yet acknowledged
-      waits in the kernel for that ACK; the relay sends a fetch's rows as a burst of small
-      requests (linger 0), the case Nagle delays (issue 12, perf-relay7: commit -> broker
-      latency, bench/README.md)."""
-    own: dict[str, Any] = {
-        "topic.metadata.propagation.max.ms": settings.relay_topic_propagation_ms,
-        "socket.nagle.disable": True}
-    return {k: v for k, v in own.items() if k not in settings.kafka_extra}
+def relay_topic_wait(settings: Settings) -> dict[str, int]:
+    """The relay producers' ``topic.metadata.propagation.max.ms`` (milliseconds):
+    ``relay_topic_propagation_ms``, unless ``kafka_extra`` sets it (then that, from
+    :func:`jobstream.kafka.base_config`). librdkafka's default (30 s) held the first row to a
+    topic the broker does not know (and the relay's flush with it) for half a minute before
+    it failed as missing; the relay holds such rows and re-sends them on the topic's own
+    backoff anyway (:meth:`OutboxRelay._hold`, docs/design-notes.md "Relay windows")."""
+    if "topic.metadata.propagation.max.ms" in settings.kafka_extra:
+        return {}
+    return {"topic.metadata.propagation.max.ms": settings.relay_topic_propagation_ms}
 
 
 def narrow_batch_bytes(limit: int) -> int:
@@ -278,7 +270,7 @@ class OutboxRelay:
         # linger.ms: relay_linger_ms (0: a caught-up row is sent at once; bench/README.md).
         self._producer = Producer(producer_config(settings, **{
             "client.id": "jobstream-relay", "partitioner": "murmur2_random",
-            "linger.ms": settings.relay_linger_ms, **relay_client_extra(settings)}))
+            "linger.ms": settings.relay_linger_ms, **relay_topic_wait(settings)}))
         self._ctx: Any = None  # StageContext of the sweeper, made on first use
         # The pipeline (see pump): rows in flight by id, acknowledged (to mark), failed.
         self._pending: dict[int, tuple[Any, ...]] = {}
@@ -784,7 +776,7 @@ class OutboxRelay:
         self._narrow_producer = producer = Producer(producer_config(self.settings, **{
             "client.id": "jobstream-relay-narrow", "partitioner": "murmur2_random",
             "linger.ms": self.settings.relay_linger_ms, "batch.size": want,
-            **relay_client_extra(self.settings)}))
+            **relay_topic_wait(self.settings)}))
         self._narrow_batch = want
         return producer
 

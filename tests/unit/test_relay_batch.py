@@ -13,7 +13,7 @@ from confluent_kafka import KafkaError, KafkaException
 
 from jobstream.db import QUERIES as Q
 from jobstream.settings import Settings
-from outbox_relay.relay import DeliveryFailed, OutboxRelay, id_array, relay_client_extra
+from outbox_relay.relay import DeliveryFailed, OutboxRelay
 
 
 class FakeConn:
@@ -119,19 +119,3 @@ def test_delivered_rows_are_deleted_when_another_failed_retriably() -> None:
     with pytest.raises(DeliveryFailed):
         _relay(producer).publish_batch(conn)  # type: ignore[arg-type]
     assert _deleted(conn) == [[2]]
-
-
-def test_relay_client_extra_defaults_and_kafka_extra_wins() -> None:
-    """The relay's producers: TCP_NODELAY and a 3 s metadata wait for a missing topic,
-    unless JOBSTREAM_KAFKA_EXTRA sets either (the missing-topic probes pass their own)."""
-    s = Settings(kafka_bootstrap_servers="127.0.0.1:1")
-    assert relay_client_extra(s) == {"topic.metadata.propagation.max.ms": 3000,
-                                     "socket.nagle.disable": True}
-    s = Settings(kafka_bootstrap_servers="127.0.0.1:1",
-                 kafka_extra={"topic.metadata.propagation.max.ms": 500})
-    assert relay_client_extra(s) == {"socket.nagle.disable": True}
-
-
-def test_id_array_is_a_postgres_array_literal() -> None:
-    assert id_array([]) == "{}"
-    assert id_array([3, 1, 2**62]) == f"{{3,1,{2**62}}}"

@@ -73,6 +73,10 @@ MAX_GAP_PROBES = 256
 #: Gaps tracked at most; beyond (a sequence jump, mass rollbacks) tracking restarts above the
 #: last id and the relay reads from the floor until the floor passes it.
 MAX_GAPS = 20000
+#: The full rescan probes the gaps it knows (old ones too) instead of reading the range above
+#: ``_gap_base`` while there are at most this many; with more it reads the whole range, as
+#: before, and the tracking restarts above the last id (see _fetch).
+MAX_FULL_RESCAN_PROBES = 4096
 
 
 class DeliveryFailed(Exception):
@@ -313,6 +317,14 @@ class OutboxRelay:
         #: _track_gaps and the comment above pump.
         self._gaps: dict[int, float] = {}
         self._gap_base = 0
+        #: Gaps forgotten by the looks (a look relay_late_commit_s after they were first seen
+        #: did not find them: rolled back, or a transaction open longer than that), still in
+        #: (_gap_base, _hwm]: the full rescan probes them instead of reading the range
+        #: (issue 12, perf-relay7). Cleared with _gaps.
+        self._old_gaps: set[int] = set()
+        #: The outbox id sequence's relfilenode at the last full rescan (None: not yet seen):
+        #: ALTER SEQUENCE ... RESTART gives it a new one (see _sequence_restarted).
+        self._seq_filenode: int | None = None
 
     def stop(self, *_: Any) -> None:
         """Ask the relay loop to finish its current batch and return."""
@@ -434,8 +446,26 @@ class OutboxRelay:
             floor = self._floor
             gaps = self._gaps
             probing = False
-            if now - self._last_full >= st.relay_full_rescan_s:
-                floor, self._last_full = 0, now  # a transaction open longer than the window
+            old = self._old_gaps
+            upto = self._hwm  # the range read: (floor, upto]
+            full = now - self._last_full >= st.relay_full_rescan_s
+            if full:  # a transaction open longer than the window
+                self._last_full = now
+                if (len(gaps) + len(old) <= MAX_FULL_RESCAN_PROBES
+                        and not self._sequence_restarted(conn)):
+                    # Every id in (_gap_base, _hwm] the relay has not fetched is a gap, young
+                    # or old: read the range up to _gap_base only and probe the gaps, instead
+                    # of walking the index entries (and heap tuples) of every row deleted
+                    # since the last vacuum up to the last id (bench/README.md, seventh pass).
+                    floor, upto = 0, self._gap_base
+                else:
+                    # Too many to probe (rolled-back ids stay gaps for good), or ids below
+                    # the last one may be handed out again: the whole range, as before, and
+                    # the tracking restarts above the last id.
+                    floor = 0
+                    gaps.clear()
+                    old.clear()
+                    self._gap_base = self._hwm
             elif floor >= self._gap_base and len(gaps) <= MAX_GAP_PROBES:
                 # Every id below the last one the relay has not fetched is in _gaps: probe
                 # those instead of reading the range (an empty range from the last id).
@@ -453,8 +483,16 @@ class OutboxRelay:
             lowest = min((min(u) for u in (pending.keys(), marking, ids, held) if u),
                          default=hwm + 1)
             probe: list[int] = []
+            young_low = hwm + 1  # the lowest young gap probed (old ones do not hold the floor)
             skip: Iterable[int] = ()
-            if probing:
+            if full and upto < hwm:
+                # The range below _gap_base may hold rows in flight (given back, then the
+                # tracking restarted above them): skipped as in any range read.
+                skip = pending.keys() | marking | set(ids) | held
+                probe = sorted(g for g in gaps.keys() | old if g not in pending
+                               and g not in marking and g not in held)
+                young_low = min(gaps, default=young_low)
+            elif probing:
                 # A gap was never fetched, so it is not in flight; checked all the same (a
                 # row re-sent while in flight is a duplicate). No range to skip rows in:
                 # the up to relay_max_in_flight ids in flight are not sent (the array's
@@ -466,14 +504,17 @@ class OutboxRelay:
             self.stats.transactions += 1
             with conn.cursor(row_factory=tuple_row, binary=True) as cur:
                 rows = cur.execute(Q["outbox_delete_and_fetch"],
-                                   {"floor": floor, "hwm": hwm, "skip": id_array(skip),
+                                   {"floor": floor, "upto": upto, "hwm": hwm,
+                                    "skip": id_array(skip),
                                     "n": n, "gaps": id_array(probe),
                                     **delete_params(ids, self._acked_at,
                                                     st.relay_published_log)}).fetchall()[:n]
             # Below ``low`` every row was published, or not yet visible: committed by a
             # transaction that was still open now (it has its id already).
             late = rows[0][0] if rows and rows[0][0] <= hwm else hwm + 1
-            low = min(late, lowest, probe[0] if probe else hwm + 1) - 1
+            if probing and probe:
+                young_low = probe[0]
+            low = min(late, lowest, young_low) - 1
             floors.append((now, low))
             self._last_rescan = now
             self._track_gaps(hwm, rows, now)
@@ -481,6 +522,7 @@ class OutboxRelay:
                 due = now - st.relay_late_commit_s
                 for gap in [g for g, seen in gaps.items() if seen <= due]:
                     del gaps[gap]
+                    old.add(gap)  # probed by the full rescan from now on
         self._draining = len(rows) >= n
         if rows:
             self._hwm = max(self._hwm, max(r[0] for r in rows))
@@ -504,17 +546,33 @@ class OutboxRelay:
             i = row[0]
             if i <= after:
                 gaps.pop(i, None)
+                self._old_gaps.discard(i)
                 continue
             if i > prev + 1:
                 if len(gaps) + i - prev - 1 > MAX_GAPS:
                     # Too many to track: restart above the last id read (the range from the
                     # floor is read until the floor passes it).
                     gaps.clear()
+                    self._old_gaps.clear()
                     self._gap_base = rows[-1][0]
                     return
                 for gap in range(prev + 1, i):
                     gaps[gap] = now
             prev = i
+
+    def _sequence_restarted(self, conn: Conn) -> bool:
+        """Whether the outbox id sequence may hand out ids at or below the last id fetched
+        again (the full rescan then reads the whole range: such rows are neither gaps nor
+        after the last id; breaker8, tests/e2e/test_break_relay_gap_bounds.py): its last
+        value is below that id (``setval`` lower, or RESTART and not yet past it), or it got
+        a new relfilenode since the last full rescan (ALTER SEQUENCE ... RESTART, TRUNCATE
+        ... RESTART IDENTITY), or this is the session's first full rescan. Not seen: a
+        ``setval`` lower whose ids pass the last id again before the next full rescan."""
+        self.stats.transactions += 1
+        row = conn.execute(Q["outbox_id_sequence_state"]).fetchone()
+        seen, self._seq_filenode = self._seq_filenode, row["filenode"] if row else None
+        last = (row["last_value"] if row else None) or 0
+        return seen is None or seen != self._seq_filenode or last < self._hwm
 
     def _read_ahead(self, conn: Conn) -> None:
         """Send the next draining fetch (the rows after ``_hwm``) without waiting for it
@@ -579,6 +637,7 @@ class OutboxRelay:
         self._floor, self._draining = 0, False
         self._floors.clear()
         self._gaps.clear()
+        self._old_gaps.clear()
         self._gap_base = self._hwm
 
     def _produce(self, rows: list[tuple[Any, ...]]) -> None:
@@ -1245,6 +1304,7 @@ class OutboxRelay:
     def _reset_pipeline(self) -> None:
         """Forget the rows in flight (a new session: they are fetched again)."""
         self._ahead = None  # its session is gone (or it was taken)
+        self._seq_filenode = None
         self._pending.clear()
         self._acked, self._failed, self._refused = [], [], []
         self._held.clear()

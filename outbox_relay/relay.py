@@ -560,19 +560,26 @@ class OutboxRelay:
                     gaps[gap] = now
             prev = i
 
+    def _sequence_filenode(self, conn: Conn) -> tuple[int, int | None]:
+        """The outbox id sequence's last value (0 before its first ``nextval``) and
+        relfilenode (None if not found); one statement on ``conn``."""
+        self.stats.transactions += 1
+        row = conn.execute(Q["outbox_id_sequence_state"]).fetchone()
+        if row is None:
+            return 0, None
+        return int(row["last_value"] or 0), row["filenode"]
+
     def _sequence_restarted(self, conn: Conn) -> bool:
         """Whether the outbox id sequence may hand out ids at or below the last id fetched
         again (the full rescan then reads the whole range: such rows are neither gaps nor
         after the last id; breaker8, tests/e2e/test_break_relay_gap_bounds.py): its last
         value is below that id (``setval`` lower, or RESTART and not yet past it), or it got
-        a new relfilenode since the last full rescan (ALTER SEQUENCE ... RESTART, TRUNCATE
-        ... RESTART IDENTITY), or this is the session's first full rescan. Not seen: a
+        a new relfilenode since the session started or the last full rescan (ALTER SEQUENCE
+        ... RESTART, TRUNCATE ... RESTART IDENTITY), or that was not known. Not seen: a
         ``setval`` lower whose ids pass the last id again before the next full rescan."""
-        self.stats.transactions += 1
-        row = conn.execute(Q["outbox_id_sequence_state"]).fetchone()
-        seen, self._seq_filenode = self._seq_filenode, row["filenode"] if row else None
-        last = (row["last_value"] if row else None) or 0
-        return seen is None or seen != self._seq_filenode or last < self._hwm
+        last, filenode = self._sequence_filenode(conn)
+        seen, self._seq_filenode = self._seq_filenode, filenode
+        return seen is None or seen != filenode or last < self._hwm
 
     def _read_ahead(self, conn: Conn) -> None:
         """Send the next draining fetch (the rows after ``_hwm``) without waiting for it
@@ -1373,6 +1380,10 @@ class OutboxRelay:
                     # The marks commit without waiting for the WAL flush (see mark()).
                     conn.execute(Q["relay_session_async_commit"])
                     self._reset_pipeline()
+                    if not self.housekeeping_only:
+                        # The session's first look reads from id 0; a RESTART of the id
+                        # sequence after it changes this (_sequence_restarted).
+                        self._seq_filenode = self._sequence_filenode(conn)[1]
                     if not self.housekeeping_only:
                         self._marker = self._new_marker()
                         self._marker.start()

@@ -10,7 +10,10 @@ Protocol (design.md, "Outbox relay"):
    (and from id 0 every ``relay_full_rescan_s``), so a transaction that commits late with a
    lower id is still published (see "the pipelined loop" below and docs/design-notes.md);
    caught up, by probing only the ids it read past without a row (its gaps) while it knows
-   them all, instead of reading the range from the floor.
+   them all, instead of reading the range from the floor; the full rescan probes every gap
+   it knows, old ones too, and reads from id 0 only up to where it knows them (the whole
+   range after an id-sequence restart; docs/design-notes.md, "The full rescan probes the old
+   gaps").
 3. Produce with an idempotent producer (``enable.idempotence=true``, ``acks=all``) without
    waiting: up to ``relay_max_in_flight`` rows are in flight while the next batch is fetched.
 4. Delete a row (keeping its compact ``outbox_published`` record, migration 0022) only after

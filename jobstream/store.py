@@ -149,6 +149,10 @@ class ProviderBudget:
     job_cost_usd: float
 
 
+#: The names a stage's ``READS`` may hold besides ``output:<stage>`` (:meth:`Store.claim`).
+_READS = frozenset({"document", "chunks", "budget"})
+
+
 @dataclass(frozen=True)
 class StageInputs:
     """What a stage reads, fetched in its claim transaction (see :meth:`Store.claim`'s
@@ -849,12 +853,17 @@ class Store:
         under the job's row lock (one transaction), so it may stay idle at most ``lease_s``
         (set by the claim's statement, see :meth:`claim_and_complete`)."""
         # The job lock, the duplicate check and the stage's claim in one round trip: the
-        # claim is made only when the checks below would let it go on (claim_job_and_stage).
+        # claim is made only when the checks below would let it go on (claim_job_and_stage),
+        # and then returns what the stage reads too (``reads``, migration 0036).
+        for what in reads:
+            if what not in _READS and not what.startswith("output:"):
+                raise ValueError(f"unknown stage read {what!r}")
         row = conn.execute(Q["claim_job_and_stage"], {
             "job_id": job_id, "group": group, "dedup_key": dedup_key,
             "event_type": event_type, "stage": stage, "run_token": uuid.uuid4(),
             "lease_s": lease_s, "code_version": code_version, "generation": generation,
-            "idle_ms": str(int(float(lease_s) * 1000)) if idle_limit else None}).fetchone()
+            "idle_ms": str(int(float(lease_s) * 1000)) if idle_limit else None,
+            "reads": list(reads)}).fetchone()
         if row is None:
             return Skip("unknown_job")
         job = typed_row(JobRow, row)
@@ -880,7 +889,7 @@ class Store:
         if attempt > 1:  # a takeover or a re-run: earlier runs may have left attempts
             conn.execute(Q["close_orphan_attempts"], {"job_id": job_id, "stage": stage})
         return Claim(job, stage, row["claim_run_token"], attempt, row["claim_lease_until"],
-                     self._read_inputs(conn, job, stage, reads))
+                     self._claimed_inputs(row, reads))
 
     def provider_budget(self, job_id: uuid.UUID, stage: str) -> ProviderBudget:
         """What the job's provider budget has used so far (:class:`ProviderBudget`)."""
@@ -898,28 +907,29 @@ class Store:
             job_cost_usd=float(row["cost_usd"]))
 
     @staticmethod
-    def _read_inputs(conn: Conn, job: JobRow, stage: str,
-                     reads: tuple[str, ...]) -> StageInputs:
-        """The :class:`StageInputs` named by ``reads`` (see :meth:`claim`)."""
+    def _claimed_inputs(row: dict[str, Any], reads: tuple[str, ...]) -> StageInputs:
+        """The :class:`StageInputs` named by ``reads`` (see :meth:`claim`), from the claim
+        statement's ``r_*`` columns (``stage_claim_reads``, migration 0036: read after the job
+        row was locked, with a fresh snapshot, as the separate statements did before)."""
         if not reads:
             return StageInputs()
         kw: dict[str, Any] = {}
         for what in reads:
             if what == "document":
-                doc = conn.execute(Q["get_document"], (job.tenant_id,
-                                                       job.document_sha256)).fetchone()
-                kw["document"] = None if doc is None else bytes(doc["content"])
+                doc = row["r_document"]
+                kw["document"] = None if doc is None else bytes(doc)
             elif what.startswith("output:"):
-                row = conn.execute(Q["get_stage"], (job.job_id, what[7:])).fetchone()
-                kw["previous_output"] = (row["output"] if row and row["status"] == "succeeded"
-                                         else None)
+                kw["previous_output"] = row["r_previous_output"]
             elif what == "chunks":
-                kw["chunks"] = tuple(typed_row(ChunkRow, r) for r in conn.execute(
-                    Q["list_chunks"], (job.job_id,)))
+                kw["chunks"] = tuple(ChunkRow(c["idx"], c["text"], c["text_sha256"],
+                                              c["llm_output"]) for c in row["r_chunks"] or ())
             elif what == "budget":
-                kw["budget"] = Store._budget_in(conn, job.job_id, stage)
-            else:
-                raise ValueError(f"unknown stage read {what!r}")
+                b = row["r_budget"]
+                kw["budget"] = ProviderBudget(
+                    chunk_attempts={int(k): int(v) for k, v in b["attempts"].items()},
+                    stage_attempts=int(b["stage_attempts"]),
+                    stage_cost_usd=float(b["stage_cost_usd"]),
+                    job_cost_usd=float(b["cost_usd"]))
         return StageInputs(**kw)
 
     def reemit(self, *, job: JobRow, group: str, event_type: str,

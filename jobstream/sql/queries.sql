@@ -550,6 +550,10 @@ SELECT (SELECT count(*) FROM done)::int AS completed,
 -- transaction's idle limit (one_transaction_idle_limit) from the moment the job row is
 -- locked: a process paused past it loses its session, the lock with it (a separate statement
 -- before, one round trip per transaction).
+-- Issue 12 (perf-stage7): with the claim made, it also returns what the stage reads
+-- (%(reads)s: its READS, text[], '{}' for none) as r_document, r_previous_output, r_chunks and
+-- r_budget, read by the VOLATILE stage_claim_reads (migration 0036) after the job row is
+-- locked, with a fresh snapshot (was one statement per read).
 WITH j AS (
     SELECT j.*, EXISTS (SELECT 1 FROM processed_event p
                          WHERE p.key_digest = processed_event_key(%(group)s, %(event_type)s,
@@ -577,8 +581,11 @@ SELECT j.*, c.attempt AS claim_attempt, c.run_token AS claim_run_token,
        c.lease_until AS claim_lease_until,
        CASE WHEN %(idle_ms)s::text IS NOT NULL
             THEN set_config('idle_in_transaction_session_timeout', %(idle_ms)s, true)
-       END AS idle_limit
-  FROM j LEFT JOIN c ON true;
+       END AS idle_limit,
+       r.r_document, r.r_previous_output, r.r_chunks, r.r_budget
+  FROM j LEFT JOIN c ON true
+       CROSS JOIN LATERAL stage_claim_reads(c.run_token IS NOT NULL, j.job_id, j.tenant_id,
+                                            j.document_sha256, %(stage)s, %(reads)s::text[]) r;
 
 -- name: record_processed
 -- The idempotent-consumer row, in the same transaction as the effect. No row back = duplicate.

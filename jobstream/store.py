@@ -1015,9 +1015,15 @@ class Store:
                                "was fenced off (or the chunk answered meanwhile); result "
                                "discarded")
         # The fenced checkpoint, the job's advance (or success, with a charge), the next
-        # event's outbox row and the idempotent-consumer row in one statement.
+        # event's outbox row and the idempotent-consumer row in one statement; a first run's
+        # chunks too (a re-run replaces the old ones below).
         ev = _loads_event(next_msg.value)
+        first_chunks = bool(chunks) and claim.attempt == 1
+        cols: list[list[Any] | None] = ([list(col) for col in zip(*chunks, strict=True)]
+                                        if chunks and first_chunks else [None] * 5)
         row = conn.execute(Q["complete_stage_emit"], {
+            "chunk_idx": cols[0], "chunk_start": cols[1], "chunk_end": cols[2],
+            "chunk_text": cols[3], "chunk_sha256": cols[4],
             "output": Jsonb(output), "input_hash": input_hash, "code_version": code_version,
             "cost_usd": cost_usd, "job_id": job_id, "stage": claim.stage,
             "run_token": claim.run_token, "emitted": Jsonb(ev["payload"]),
@@ -1031,7 +1037,7 @@ class Store:
                            "was fenced off; result discarded")
         if later_stages and claim.attempt > 1:  # a first run has no later checkpoints yet
             conn.execute(Q["reset_later_stages"], (job_id, list(later_stages)))
-        if chunks is not None:
+        if chunks is not None and not first_chunks:
             if claim.attempt > 1:  # a re-run replaces the chunks of an earlier one
                 conn.execute(Q["delete_chunks"], (job_id,))
             if chunks:

@@ -503,6 +503,10 @@ SELECT coalesce(sum(cost_usd), 0)::float8 AS cost_usd FROM provider_attempt WHER
 -- are written only when the fenced UPDATE took the checkpoint; ``completed`` = 0 means a newer
 -- run owns the stage (the caller raises StaleRun and rolls back). ``recorded`` = 0: the
 -- processed_event row already existed (not expected: the claim checked it under the job lock).
+-- Issue 12 (perf-stage7): a chunk stage's first run also writes its chunks here (the
+-- %(chunk_*)s arrays, binary; NULL: none, or a re-run, which deletes the old chunks and
+-- writes its own with insert_chunks after this statement), fenced like the checkpoint (only
+-- when ``done`` took it): one statement less per job.
 WITH done AS (
     UPDATE job_stage
        SET status = 'succeeded', output = %(output)s, input_hash = %(input_hash)s,
@@ -534,7 +538,13 @@ recorded AS (
            %(dedup_key)s, %(event_type)s, %(event_id)s, job_id
       FROM done
     ON CONFLICT (key_digest) DO NOTHING
-    RETURNING 1)
+    RETURNING 1),
+chunked AS (
+    INSERT INTO chunk (job_id, idx, char_start, char_end, text, text_sha256)
+    SELECT done.job_id, x.*
+      FROM done, unnest(%(chunk_idx)b::integer[], %(chunk_start)b::integer[],
+                        %(chunk_end)b::integer[], %(chunk_text)b::text[],
+                        %(chunk_sha256)b::text[]) AS x)
 SELECT (SELECT count(*) FROM done)::int AS completed,
        (SELECT count(*) FROM recorded)::int AS recorded;
 

@@ -1001,22 +1001,10 @@ class Store:
         job_id = claim.job.job_id
         if not locked:
             self._fence(conn, claim)
-        fence = {"job_id": job_id, "stage": claim.stage, "run_token": claim.run_token,
-                 "generation": claim.generation}
-        for a in local_answers:
-            # The attempt and the chunk's output in one statement, fenced like the checkpoint.
-            if conn.execute(Q["record_local_answer"], {
-                    **fence, "chunk_idx": a.idx, "attempt": a.attempt,
-                    "model_profile": claim.job.model_profile, "model": a.model,
-                    "latency_ms": a.latency_ms, "prompt_tokens": a.prompt_tokens,
-                    "completion_tokens": a.completion_tokens, "cost_usd": a.cost_usd,
-                    "output": Jsonb(a.output)}).fetchone() is None:
-                raise StaleRun(f"stage {claim.stage} of job {job_id}: run {claim.run_token} "
-                               "was fenced off (or the chunk answered meanwhile); result "
-                               "discarded")
         # The fenced checkpoint, the job's advance (or success, with a charge), the next
         # event's outbox row and the idempotent-consumer row in one statement; a first run's
-        # chunks too (a re-run replaces the old ones below).
+        # chunks too (a re-run replaces the old ones below), and the in-process model's
+        # answers (each an attempt and its chunk's output, fenced like the checkpoint).
         ev = _loads_event(next_msg.value)
         first_chunks = bool(chunks) and claim.attempt == 1
         cols: list[list[Any] | None] = ([list(col) for col in zip(*chunks, strict=True)]
@@ -1024,6 +1012,12 @@ class Store:
         row = conn.execute(Q["complete_stage_emit"], {
             "chunk_idx": cols[0], "chunk_start": cols[1], "chunk_end": cols[2],
             "chunk_text": cols[3], "chunk_sha256": cols[4],
+            "local_answers": Jsonb([{
+                "idx": a.idx, "attempt": a.attempt, "model": a.model,
+                "latency_ms": a.latency_ms, "prompt_tokens": a.prompt_tokens,
+                "completion_tokens": a.completion_tokens, "cost_usd": a.cost_usd,
+                "output": a.output} for a in local_answers]) if local_answers else None,
+            "model_profile": claim.job.model_profile,
             "output": Jsonb(output), "input_hash": input_hash, "code_version": code_version,
             "cost_usd": cost_usd, "job_id": job_id, "stage": claim.stage,
             "run_token": claim.run_token, "emitted": Jsonb(ev["payload"]),
@@ -1035,6 +1029,9 @@ class Store:
         if row is None or row["completed"] != 1:
             raise StaleRun(f"stage {claim.stage} of job {job_id}: run {claim.run_token} "
                            "was fenced off; result discarded")
+        if row["answered"] != len(local_answers):
+            raise StaleRun(f"stage {claim.stage} of job {job_id}: run {claim.run_token}: a "
+                           "chunk was answered meanwhile; result discarded")
         if later_stages and claim.attempt > 1:  # a first run has no later checkpoints yet
             conn.execute(Q["reset_later_stages"], (job_id, list(later_stages)))
         if chunks is not None and not first_chunks:

@@ -215,28 +215,6 @@ SELECT coalesce(jsonb_object_agg(a.chunk_idx, a.n) FILTER (WHERE a.chunk_idx IS 
                sum(cost_usd) AS cost
           FROM provider_attempt WHERE job_id = %(job_id)s GROUP BY chunk_idx) a;
 
--- name: record_local_answer
--- insert_succeeded_attempt and save_chunk_output in one round trip (issue 12): the in-process
--- model's answer of one chunk, recorded with the stage's completion, fenced by run token and
--- generation (the attempt's INSERT) and kept only if the chunk has no output yet. No row back:
--- fenced off, or the chunk was answered meanwhile (the caller raises StaleRun).
-WITH a AS (
-    INSERT INTO provider_attempt (job_id, stage, chunk_idx, attempt, run_token, model_profile,
-                                  model, outcome, latency_ms, prompt_tokens,
-                                  completion_tokens, cost_usd, finished_at)
-    SELECT j.job_id, %(stage)s, %(chunk_idx)s, %(attempt)s, %(run_token)s, %(model_profile)s,
-           %(model)s, 'succeeded', %(latency_ms)s, %(prompt_tokens)s, %(completion_tokens)s,
-           %(cost_usd)s, now()
-      FROM job j
-     WHERE j.job_id = %(job_id)s AND j.generation = %(generation)s
-       AND EXISTS (SELECT 1 FROM job_stage s WHERE s.job_id = j.job_id AND s.stage = %(stage)s
-                    AND s.run_token = %(run_token)s AND s.status = 'running')
-    RETURNING attempt_id, job_id)
-UPDATE chunk c SET llm_output = %(output)s, llm_attempt_id = a.attempt_id
-  FROM a
- WHERE c.job_id = a.job_id AND c.idx = %(chunk_idx)s AND c.llm_output IS NULL
-RETURNING a.attempt_id;
-
 -- name: fail_stage
 UPDATE job_stage
    SET status = 'failed', error_code = %(error_code)s, error = %(error)s, lease_until = NULL,
@@ -507,6 +485,12 @@ SELECT coalesce(sum(cost_usd), 0)::float8 AS cost_usd FROM provider_attempt WHER
 -- %(chunk_*)s arrays, binary; NULL: none, or a re-run, which deletes the old chunks and
 -- writes its own with insert_chunks after this statement), fenced like the checkpoint (only
 -- when ``done`` took it): one statement less per job.
+-- And the chunks the in-process model answered (%(local_answers)s: a jsonb array of {idx,
+-- attempt, model, latency_ms, prompt_tokens, completion_tokens, cost_usd, output}; NULL:
+-- none): each a 'succeeded' provider attempt and the chunk's output, kept only if the chunk
+-- has none yet (what record_local_answer did per chunk before, fenced by ``done``; the caller
+-- checked the generation under the job lock). ``answered`` < the answers given: a chunk was
+-- answered meanwhile (the caller raises StaleRun and rolls back). One statement less per job.
 WITH done AS (
     UPDATE job_stage
        SET status = 'succeeded', output = %(output)s, input_hash = %(input_hash)s,
@@ -544,9 +528,28 @@ chunked AS (
     SELECT done.job_id, x.*
       FROM done, unnest(%(chunk_idx)b::integer[], %(chunk_start)b::integer[],
                         %(chunk_end)b::integer[], %(chunk_text)b::text[],
-                        %(chunk_sha256)b::text[]) AS x)
+                        %(chunk_sha256)b::text[]) AS x),
+answers AS (
+    SELECT * FROM jsonb_to_recordset(%(local_answers)s::jsonb)
+        AS x(idx integer, attempt integer, model text, latency_ms float8,
+             prompt_tokens integer, completion_tokens integer, cost_usd float8, output jsonb)),
+attempted AS (
+    INSERT INTO provider_attempt (job_id, stage, chunk_idx, attempt, run_token, model_profile,
+                                  model, outcome, latency_ms, prompt_tokens,
+                                  completion_tokens, cost_usd, finished_at)
+    SELECT done.job_id, %(stage)s, x.idx, x.attempt, %(run_token)s, %(model_profile)s,
+           x.model, 'succeeded', x.latency_ms, x.prompt_tokens, x.completion_tokens,
+           x.cost_usd, now()
+      FROM done, answers x
+    RETURNING attempt_id, chunk_idx),
+answered AS (
+    UPDATE chunk c SET llm_output = x.output, llm_attempt_id = a.attempt_id
+      FROM attempted a JOIN answers x ON x.idx = a.chunk_idx
+     WHERE c.job_id = %(job_id)s AND c.idx = a.chunk_idx AND c.llm_output IS NULL
+    RETURNING 1)
 SELECT (SELECT count(*) FROM done)::int AS completed,
-       (SELECT count(*) FROM recorded)::int AS recorded;
+       (SELECT count(*) FROM recorded)::int AS recorded,
+       (SELECT count(*) FROM answered)::int AS answered;
 
 -- name: claim_job_and_stage
 -- Issue 12 (perf-worker4): the job lock and the stage's claim in ONE round trip (were two).

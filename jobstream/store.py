@@ -9,6 +9,7 @@ strings the database cannot store, e.g. NUL) becomes :class:`PoisonMessage` ``in
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import time
 import uuid
@@ -295,6 +296,21 @@ def _loads_event(value: bytes) -> dict[str, Any]:
 class _StepRaised(Exception):  # noqa: N818 - a signal inside the store, not an error
     """A step of a savepoint-free shared stage transaction raised: the transaction rolls back
     and its steps run again, a savepoint each (:meth:`Store.claim_and_complete_many`)."""
+
+
+@functools.cache
+def _completion(chunks: bool, answers: bool) -> str:
+    """The completion statement of a run: ``complete_stage_emit`` with the CTEs that write
+    a first run's chunks (``chunks``) and the in-process model's answers (``answers``, adding
+    ``answered`` to its row) only when that run has them (issue 12, perf-stage7; a
+    data-modifying CTE opens its table and indexes at every execution, rows or not)."""
+    head, sep, tail = Q["complete_stage_emit"].rpartition("\nSELECT (SELECT count(*) FROM done)")
+    assert sep, "complete_stage_emit: its final SELECT moved"
+    extra = ([Q["complete_stage_emit_chunks_cte"]] if chunks else []) + (
+        [Q["complete_stage_emit_answers_cte"]] if answers else [])
+    if answers:
+        tail += ",\n       (SELECT count(*) FROM answered)::int AS answered"
+    return ",\n".join([head, *extra]) + sep + tail
 
 
 #: Postgres' error (SQLSTATE 0A000) for a prepared statement whose result columns changed
@@ -1009,7 +1025,7 @@ class Store:
         first_chunks = bool(chunks) and claim.attempt == 1
         cols: list[list[Any] | None] = ([list(col) for col in zip(*chunks, strict=True)]
                                         if chunks and first_chunks else [None] * 5)
-        row = conn.execute(Q["complete_stage_emit"], {
+        row = conn.execute(_completion(first_chunks, bool(local_answers)), {
             "chunk_idx": cols[0], "chunk_start": cols[1], "chunk_end": cols[2],
             "chunk_text": cols[3], "chunk_sha256": cols[4],
             "local_answers": Jsonb([{
@@ -1029,7 +1045,7 @@ class Store:
         if row is None or row["completed"] != 1:
             raise StaleRun(f"stage {claim.stage} of job {job_id}: run {claim.run_token} "
                            "was fenced off; result discarded")
-        if row["answered"] != len(local_answers):
+        if local_answers and row["answered"] != len(local_answers):
             raise StaleRun(f"stage {claim.stage} of job {job_id}: run {claim.run_token}: a "
                            "chunk was answered meanwhile; result discarded")
         if later_stages and claim.attempt > 1:  # a first run has no later checkpoints yet

@@ -481,16 +481,10 @@ SELECT coalesce(sum(cost_usd), 0)::float8 AS cost_usd FROM provider_attempt WHER
 -- are written only when the fenced UPDATE took the checkpoint; ``completed`` = 0 means a newer
 -- run owns the stage (the caller raises StaleRun and rolls back). ``recorded`` = 0: the
 -- processed_event row already existed (not expected: the claim checked it under the job lock).
--- Issue 12 (perf-stage7): a chunk stage's first run also writes its chunks here (the
--- %(chunk_*)s arrays, binary; NULL: none, or a re-run, which deletes the old chunks and
--- writes its own with insert_chunks after this statement), fenced like the checkpoint (only
--- when ``done`` took it): one statement less per job.
--- And the chunks the in-process model answered (%(local_answers)s: a jsonb array of {idx,
--- attempt, model, latency_ms, prompt_tokens, completion_tokens, cost_usd, output}; NULL:
--- none): each a 'succeeded' provider attempt and the chunk's output, kept only if the chunk
--- has none yet (what record_local_answer did per chunk before, fenced by ``done``; the caller
--- checked the generation under the job lock). ``answered`` < the answers given: a chunk was
--- answered meanwhile (the caller raises StaleRun and rolls back). One statement less per job.
+-- Issue 12 (perf-stage7): Store._complete_in adds complete_stage_emit_chunks_cte and
+-- complete_stage_emit_answers_cte after ``recorded`` for the runs that write chunks or
+-- local answers (only then: each data-modifying CTE opens its table and indexes at every
+-- execution, rows or not).
 WITH done AS (
     UPDATE job_stage
        SET status = 'succeeded', output = %(output)s, input_hash = %(input_hash)s,
@@ -522,13 +516,32 @@ recorded AS (
            %(dedup_key)s, %(event_type)s, %(event_id)s, job_id
       FROM done
     ON CONFLICT (key_digest) DO NOTHING
-    RETURNING 1),
+    RETURNING 1)
+SELECT (SELECT count(*) FROM done)::int AS completed,
+       (SELECT count(*) FROM recorded)::int AS recorded;
+
+-- name: complete_stage_emit_chunks_cte
+-- Not a statement: a CTE Store._complete_in puts into complete_stage_emit (after ``recorded``)
+-- for a chunk stage's first run (issue 12, perf-stage7): its chunks (the %(chunk_*)s arrays,
+-- binary) written with the completion, fenced like the checkpoint (only when ``done`` took
+-- it). A re-run deletes the old chunks and writes its own with insert_chunks after the
+-- completion. One statement less per job.
 chunked AS (
     INSERT INTO chunk (job_id, idx, char_start, char_end, text, text_sha256)
     SELECT done.job_id, x.*
       FROM done, unnest(%(chunk_idx)b::integer[], %(chunk_start)b::integer[],
                         %(chunk_end)b::integer[], %(chunk_text)b::text[],
-                        %(chunk_sha256)b::text[]) AS x),
+                        %(chunk_sha256)b::text[]) AS x)
+
+-- name: complete_stage_emit_answers_cte
+-- Not a statement: CTEs Store._complete_in puts into complete_stage_emit (after ``recorded``),
+-- with ``answered`` added to its result, for a run that answered chunks in-process (issue 12,
+-- perf-stage7; was one record_local_answer statement per chunk): %(local_answers)s, a jsonb
+-- array of {idx, attempt, model, latency_ms, prompt_tokens, completion_tokens, cost_usd,
+-- output}, each written as a 'succeeded' provider attempt and its chunk's output, kept only
+-- if the chunk has none yet, fenced by ``done`` (the caller checked the generation under the
+-- job lock). ``answered`` < the answers given: a chunk was answered meanwhile (the caller
+-- raises StaleRun and rolls back). One statement less per job.
 answers AS (
     SELECT * FROM jsonb_to_recordset(%(local_answers)s::jsonb)
         AS x(idx integer, attempt integer, model text, latency_ms float8,
@@ -547,9 +560,6 @@ answered AS (
       FROM attempted a JOIN answers x ON x.idx = a.chunk_idx
      WHERE c.job_id = %(job_id)s AND c.idx = a.chunk_idx AND c.llm_output IS NULL
     RETURNING 1)
-SELECT (SELECT count(*) FROM done)::int AS completed,
-       (SELECT count(*) FROM recorded)::int AS recorded,
-       (SELECT count(*) FROM answered)::int AS answered;
 
 -- name: claim_job_and_stage
 -- Issue 12 (perf-worker4): the job lock and the stage's claim in ONE round trip (were two).

@@ -9,6 +9,7 @@ strings the database cannot store, e.g. NUL) becomes :class:`PoisonMessage` ``in
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import time
 import uuid
@@ -147,6 +148,10 @@ class ProviderBudget:
     stage_attempts: int
     stage_cost_usd: float
     job_cost_usd: float
+
+
+#: The names a stage's ``READS`` may hold besides ``output:<stage>`` (:meth:`Store.claim`).
+_READS = frozenset({"document", "chunks", "budget"})
 
 
 @dataclass(frozen=True)
@@ -291,6 +296,21 @@ def _loads_event(value: bytes) -> dict[str, Any]:
 class _StepRaised(Exception):  # noqa: N818 - a signal inside the store, not an error
     """A step of a savepoint-free shared stage transaction raised: the transaction rolls back
     and its steps run again, a savepoint each (:meth:`Store.claim_and_complete_many`)."""
+
+
+@functools.cache
+def _completion(chunks: bool, answers: bool) -> str:
+    """The completion statement of a run: ``complete_stage_emit`` with the CTEs that write
+    a first run's chunks (``chunks``) and the in-process model's answers (``answers``, adding
+    ``answered`` to its row) only when that run has them (issue 12, perf-stage7; a
+    data-modifying CTE opens its table and indexes at every execution, rows or not)."""
+    head, sep, tail = Q["complete_stage_emit"].rpartition("\nSELECT (SELECT count(*) FROM done)")
+    assert sep, "complete_stage_emit: its final SELECT moved"
+    extra = ([Q["complete_stage_emit_chunks_cte"]] if chunks else []) + (
+        [Q["complete_stage_emit_answers_cte"]] if answers else [])
+    if answers:
+        tail += ",\n       (SELECT count(*) FROM answered)::int AS answered"
+    return ",\n".join([head, *extra]) + sep + tail
 
 
 #: Postgres' error (SQLSTATE 0A000) for a prepared statement whose result columns changed
@@ -849,12 +869,17 @@ class Store:
         under the job's row lock (one transaction), so it may stay idle at most ``lease_s``
         (set by the claim's statement, see :meth:`claim_and_complete`)."""
         # The job lock, the duplicate check and the stage's claim in one round trip: the
-        # claim is made only when the checks below would let it go on (claim_job_and_stage).
+        # claim is made only when the checks below would let it go on (claim_job_and_stage),
+        # and then returns what the stage reads too (``reads``, migration 0036).
+        for what in reads:
+            if what not in _READS and not what.startswith("output:"):
+                raise ValueError(f"unknown stage read {what!r}")
         row = conn.execute(Q["claim_job_and_stage"], {
             "job_id": job_id, "group": group, "dedup_key": dedup_key,
             "event_type": event_type, "stage": stage, "run_token": uuid.uuid4(),
             "lease_s": lease_s, "code_version": code_version, "generation": generation,
-            "idle_ms": str(int(float(lease_s) * 1000)) if idle_limit else None}).fetchone()
+            "idle_ms": str(int(float(lease_s) * 1000)) if idle_limit else None,
+            "reads": list(reads)}).fetchone()
         if row is None:
             return Skip("unknown_job")
         job = typed_row(JobRow, row)
@@ -880,7 +905,7 @@ class Store:
         if attempt > 1:  # a takeover or a re-run: earlier runs may have left attempts
             conn.execute(Q["close_orphan_attempts"], {"job_id": job_id, "stage": stage})
         return Claim(job, stage, row["claim_run_token"], attempt, row["claim_lease_until"],
-                     self._read_inputs(conn, job, stage, reads))
+                     self._claimed_inputs(row, reads))
 
     def provider_budget(self, job_id: uuid.UUID, stage: str) -> ProviderBudget:
         """What the job's provider budget has used so far (:class:`ProviderBudget`)."""
@@ -898,28 +923,29 @@ class Store:
             job_cost_usd=float(row["cost_usd"]))
 
     @staticmethod
-    def _read_inputs(conn: Conn, job: JobRow, stage: str,
-                     reads: tuple[str, ...]) -> StageInputs:
-        """The :class:`StageInputs` named by ``reads`` (see :meth:`claim`)."""
+    def _claimed_inputs(row: dict[str, Any], reads: tuple[str, ...]) -> StageInputs:
+        """The :class:`StageInputs` named by ``reads`` (see :meth:`claim`), from the claim
+        statement's ``r_*`` columns (``stage_claim_reads``, migration 0036: read after the job
+        row was locked, with a fresh snapshot, as the separate statements did before)."""
         if not reads:
             return StageInputs()
         kw: dict[str, Any] = {}
         for what in reads:
             if what == "document":
-                doc = conn.execute(Q["get_document"], (job.tenant_id,
-                                                       job.document_sha256)).fetchone()
-                kw["document"] = None if doc is None else bytes(doc["content"])
+                doc = row["r_document"]
+                kw["document"] = None if doc is None else bytes(doc)
             elif what.startswith("output:"):
-                row = conn.execute(Q["get_stage"], (job.job_id, what[7:])).fetchone()
-                kw["previous_output"] = (row["output"] if row and row["status"] == "succeeded"
-                                         else None)
+                kw["previous_output"] = row["r_previous_output"]
             elif what == "chunks":
-                kw["chunks"] = tuple(typed_row(ChunkRow, r) for r in conn.execute(
-                    Q["list_chunks"], (job.job_id,)))
+                kw["chunks"] = tuple(ChunkRow(c["idx"], c["text"], c["text_sha256"],
+                                              c["llm_output"]) for c in row["r_chunks"] or ())
             elif what == "budget":
-                kw["budget"] = Store._budget_in(conn, job.job_id, stage)
-            else:
-                raise ValueError(f"unknown stage read {what!r}")
+                b = row["r_budget"]
+                kw["budget"] = ProviderBudget(
+                    chunk_attempts={int(k): int(v) for k, v in b["attempts"].items()},
+                    stage_attempts=int(b["stage_attempts"]),
+                    stage_cost_usd=float(b["stage_cost_usd"]),
+                    job_cost_usd=float(b["cost_usd"]))
         return StageInputs(**kw)
 
     def reemit(self, *, job: JobRow, group: str, event_type: str,
@@ -991,23 +1017,23 @@ class Store:
         job_id = claim.job.job_id
         if not locked:
             self._fence(conn, claim)
-        fence = {"job_id": job_id, "stage": claim.stage, "run_token": claim.run_token,
-                 "generation": claim.generation}
-        for a in local_answers:
-            # The attempt and the chunk's output in one statement, fenced like the checkpoint.
-            if conn.execute(Q["record_local_answer"], {
-                    **fence, "chunk_idx": a.idx, "attempt": a.attempt,
-                    "model_profile": claim.job.model_profile, "model": a.model,
-                    "latency_ms": a.latency_ms, "prompt_tokens": a.prompt_tokens,
-                    "completion_tokens": a.completion_tokens, "cost_usd": a.cost_usd,
-                    "output": Jsonb(a.output)}).fetchone() is None:
-                raise StaleRun(f"stage {claim.stage} of job {job_id}: run {claim.run_token} "
-                               "was fenced off (or the chunk answered meanwhile); result "
-                               "discarded")
         # The fenced checkpoint, the job's advance (or success, with a charge), the next
-        # event's outbox row and the idempotent-consumer row in one statement.
+        # event's outbox row and the idempotent-consumer row in one statement; a first run's
+        # chunks too (a re-run replaces the old ones below), and the in-process model's
+        # answers (each an attempt and its chunk's output, fenced like the checkpoint).
         ev = _loads_event(next_msg.value)
-        row = conn.execute(Q["complete_stage_emit"], {
+        first_chunks = bool(chunks) and claim.attempt == 1
+        cols: list[list[Any] | None] = ([list(col) for col in zip(*chunks, strict=True)]
+                                        if chunks and first_chunks else [None] * 5)
+        row = conn.execute(_completion(first_chunks, bool(local_answers)), {
+            "chunk_idx": cols[0], "chunk_start": cols[1], "chunk_end": cols[2],
+            "chunk_text": cols[3], "chunk_sha256": cols[4],
+            "local_answers": Jsonb([{
+                "idx": a.idx, "attempt": a.attempt, "model": a.model,
+                "latency_ms": a.latency_ms, "prompt_tokens": a.prompt_tokens,
+                "completion_tokens": a.completion_tokens, "cost_usd": a.cost_usd,
+                "output": a.output} for a in local_answers]) if local_answers else None,
+            "model_profile": claim.job.model_profile,
             "output": Jsonb(output), "input_hash": input_hash, "code_version": code_version,
             "cost_usd": cost_usd, "job_id": job_id, "stage": claim.stage,
             "run_token": claim.run_token, "emitted": Jsonb(ev["payload"]),
@@ -1019,9 +1045,12 @@ class Store:
         if row is None or row["completed"] != 1:
             raise StaleRun(f"stage {claim.stage} of job {job_id}: run {claim.run_token} "
                            "was fenced off; result discarded")
+        if local_answers and row["answered"] != len(local_answers):
+            raise StaleRun(f"stage {claim.stage} of job {job_id}: run {claim.run_token}: a "
+                           "chunk was answered meanwhile; result discarded")
         if later_stages and claim.attempt > 1:  # a first run has no later checkpoints yet
             conn.execute(Q["reset_later_stages"], (job_id, list(later_stages)))
-        if chunks is not None:
+        if chunks is not None and not first_chunks:
             if claim.attempt > 1:  # a re-run replaces the chunks of an earlier one
                 conn.execute(Q["delete_chunks"], (job_id,))
             if chunks:

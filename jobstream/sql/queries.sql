@@ -215,28 +215,6 @@ SELECT coalesce(jsonb_object_agg(a.chunk_idx, a.n) FILTER (WHERE a.chunk_idx IS 
                sum(cost_usd) AS cost
           FROM provider_attempt WHERE job_id = %(job_id)s GROUP BY chunk_idx) a;
 
--- name: record_local_answer
--- insert_succeeded_attempt and save_chunk_output in one round trip (issue 12): the in-process
--- model's answer of one chunk, recorded with the stage's completion, fenced by run token and
--- generation (the attempt's INSERT) and kept only if the chunk has no output yet. No row back:
--- fenced off, or the chunk was answered meanwhile (the caller raises StaleRun).
-WITH a AS (
-    INSERT INTO provider_attempt (job_id, stage, chunk_idx, attempt, run_token, model_profile,
-                                  model, outcome, latency_ms, prompt_tokens,
-                                  completion_tokens, cost_usd, finished_at)
-    SELECT j.job_id, %(stage)s, %(chunk_idx)s, %(attempt)s, %(run_token)s, %(model_profile)s,
-           %(model)s, 'succeeded', %(latency_ms)s, %(prompt_tokens)s, %(completion_tokens)s,
-           %(cost_usd)s, now()
-      FROM job j
-     WHERE j.job_id = %(job_id)s AND j.generation = %(generation)s
-       AND EXISTS (SELECT 1 FROM job_stage s WHERE s.job_id = j.job_id AND s.stage = %(stage)s
-                    AND s.run_token = %(run_token)s AND s.status = 'running')
-    RETURNING attempt_id, job_id)
-UPDATE chunk c SET llm_output = %(output)s, llm_attempt_id = a.attempt_id
-  FROM a
- WHERE c.job_id = a.job_id AND c.idx = %(chunk_idx)s AND c.llm_output IS NULL
-RETURNING a.attempt_id;
-
 -- name: fail_stage
 UPDATE job_stage
    SET status = 'failed', error_code = %(error_code)s, error = %(error)s, lease_until = NULL,
@@ -503,6 +481,10 @@ SELECT coalesce(sum(cost_usd), 0)::float8 AS cost_usd FROM provider_attempt WHER
 -- are written only when the fenced UPDATE took the checkpoint; ``completed`` = 0 means a newer
 -- run owns the stage (the caller raises StaleRun and rolls back). ``recorded`` = 0: the
 -- processed_event row already existed (not expected: the claim checked it under the job lock).
+-- Issue 12 (perf-stage7): Store._complete_in adds complete_stage_emit_chunks_cte and
+-- complete_stage_emit_answers_cte after ``recorded`` for the runs that write chunks or
+-- local answers (only then: each data-modifying CTE opens its table and indexes at every
+-- execution, rows or not).
 WITH done AS (
     UPDATE job_stage
        SET status = 'succeeded', output = %(output)s, input_hash = %(input_hash)s,
@@ -538,6 +520,47 @@ recorded AS (
 SELECT (SELECT count(*) FROM done)::int AS completed,
        (SELECT count(*) FROM recorded)::int AS recorded;
 
+-- name: complete_stage_emit_chunks_cte
+-- Not a statement: a CTE Store._complete_in puts into complete_stage_emit (after ``recorded``)
+-- for a chunk stage's first run (issue 12, perf-stage7): its chunks (the %(chunk_*)s arrays,
+-- binary) written with the completion, fenced like the checkpoint (only when ``done`` took
+-- it). A re-run deletes the old chunks and writes its own with insert_chunks after the
+-- completion. One statement less per job.
+chunked AS (
+    INSERT INTO chunk (job_id, idx, char_start, char_end, text, text_sha256)
+    SELECT done.job_id, x.*
+      FROM done, unnest(%(chunk_idx)b::integer[], %(chunk_start)b::integer[],
+                        %(chunk_end)b::integer[], %(chunk_text)b::text[],
+                        %(chunk_sha256)b::text[]) AS x)
+
+-- name: complete_stage_emit_answers_cte
+-- Not a statement: CTEs Store._complete_in puts into complete_stage_emit (after ``recorded``),
+-- with ``answered`` added to its result, for a run that answered chunks in-process (issue 12,
+-- perf-stage7; was one record_local_answer statement per chunk): %(local_answers)s, a jsonb
+-- array of {idx, attempt, model, latency_ms, prompt_tokens, completion_tokens, cost_usd,
+-- output}, each written as a 'succeeded' provider attempt and its chunk's output, kept only
+-- if the chunk has none yet, fenced by ``done`` (the caller checked the generation under the
+-- job lock). ``answered`` < the answers given: a chunk was answered meanwhile (the caller
+-- raises StaleRun and rolls back). One statement less per job.
+answers AS (
+    SELECT * FROM jsonb_to_recordset(%(local_answers)s::jsonb)
+        AS x(idx integer, attempt integer, model text, latency_ms float8,
+             prompt_tokens integer, completion_tokens integer, cost_usd float8, output jsonb)),
+attempted AS (
+    INSERT INTO provider_attempt (job_id, stage, chunk_idx, attempt, run_token, model_profile,
+                                  model, outcome, latency_ms, prompt_tokens,
+                                  completion_tokens, cost_usd, finished_at)
+    SELECT done.job_id, %(stage)s, x.idx, x.attempt, %(run_token)s, %(model_profile)s,
+           x.model, 'succeeded', x.latency_ms, x.prompt_tokens, x.completion_tokens,
+           x.cost_usd, now()
+      FROM done, answers x
+    RETURNING attempt_id, chunk_idx),
+answered AS (
+    UPDATE chunk c SET llm_output = x.output, llm_attempt_id = a.attempt_id
+      FROM attempted a JOIN answers x ON x.idx = a.chunk_idx
+     WHERE c.job_id = %(job_id)s AND c.idx = a.chunk_idx AND c.llm_output IS NULL
+    RETURNING 1)
+
 -- name: claim_job_and_stage
 -- Issue 12 (perf-worker4): the job lock and the stage's claim in ONE round trip (were two).
 -- The job row is locked (its latest version: READ COMMITTED re-reads it after a lock wait)
@@ -550,6 +573,10 @@ SELECT (SELECT count(*) FROM done)::int AS completed,
 -- transaction's idle limit (one_transaction_idle_limit) from the moment the job row is
 -- locked: a process paused past it loses its session, the lock with it (a separate statement
 -- before, one round trip per transaction).
+-- Issue 12 (perf-stage7): with the claim made, it also returns what the stage reads
+-- (%(reads)s: its READS, text[], '{}' for none) as r_document, r_previous_output, r_chunks and
+-- r_budget, read by the VOLATILE stage_claim_reads (migration 0036) after the job row is
+-- locked, with a fresh snapshot (was one statement per read).
 WITH j AS (
     SELECT j.*, EXISTS (SELECT 1 FROM processed_event p
                          WHERE p.key_digest = processed_event_key(%(group)s, %(event_type)s,
@@ -577,8 +604,11 @@ SELECT j.*, c.attempt AS claim_attempt, c.run_token AS claim_run_token,
        c.lease_until AS claim_lease_until,
        CASE WHEN %(idle_ms)s::text IS NOT NULL
             THEN set_config('idle_in_transaction_session_timeout', %(idle_ms)s, true)
-       END AS idle_limit
-  FROM j LEFT JOIN c ON true;
+       END AS idle_limit,
+       r.r_document, r.r_previous_output, r.r_chunks, r.r_budget
+  FROM j LEFT JOIN c ON true
+       CROSS JOIN LATERAL stage_claim_reads(c.run_token IS NOT NULL, j.job_id, j.tenant_id,
+                                            j.document_sha256, %(stage)s, %(reads)s::text[]) r;
 
 -- name: record_processed
 -- The idempotent-consumer row, in the same transaction as the effect. No row back = duplicate.

@@ -105,7 +105,7 @@ def test_stage_rows_from_before_the_upgrade_still_dedup_and_can_be_forgotten(
     assert "0026_processed_event_key_digest.sql" in migrate(old_db)
     claim = {"job_id": job_id, "group": group, "dedup_key": dk, "event_type": et,
              "stage": "chunk", "run_token": uuid.uuid4(), "lease_s": 30.0,
-             "code_version": "v", "generation": 0, "idle_ms": "30000"}
+             "code_version": "v", "generation": 0, "idle_ms": "30000", "reads": []}
     with connect(old_db) as conn, conn.transaction():
         row = conn.execute(QUERIES["claim_job_and_stage"], claim).fetchone()
         assert row is not None and row["processed"] is True

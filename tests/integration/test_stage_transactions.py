@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import psycopg
 import pytest
+from psycopg.types.json import Jsonb
 
 from jobstream.errors import PermanentError, StaleRun
 from jobstream.settings import Settings
 from jobstream.store import (
     STAGES,
+    ChunkRow,
     Claim,
     JobRow,
     LocalAnswer,
@@ -162,3 +167,42 @@ def test_local_answers_are_recorded_with_the_completion_and_fenced_like_it(
     assert c.llm_output == {"summary": "s"}
     budget = store.provider_budget(job_id, LLM)
     assert budget.chunk_attempts == {0: 1} and budget.stage_attempts == 1
+    # The next stage's claim reads the answered chunks and the budget (one statement).
+    after = store.claim(**_claim_kw(job_id, STAGES[4], reads=("chunks", "budget")))
+    assert isinstance(after, Claim) and after.inputs.budget is not None
+    assert after.inputs.chunks == (ChunkRow(0, "hello", "h0", {"summary": "s"}),)
+    assert after.inputs.budget.stage_attempts == 0  # the validate stage's own: none
+    assert after.inputs.budget.job_cost_usd == budget.job_cost_usd
+
+
+def test_a_claim_that_waited_for_the_job_lock_reads_what_the_lock_holder_committed(
+        store: Store, job_id: uuid.UUID, settings: Settings) -> None:
+    """The claim returns its reads from its own statement (migration 0036), whose snapshot is
+    older than its wait for the job's row lock: the reads must still see what the holder of
+    that lock committed meanwhile (here a re-run's new output of the previous stage; a
+    subquery of the claim, or a STABLE function, would return the old one)."""
+    first = store.claim(**_claim_kw(job_id, FIRST))
+    assert isinstance(first, Claim)
+    store.complete(first, **_done(first, {"text": "old"}))
+    holder = psycopg.connect(settings.database_url)
+    try:
+        holder.execute("SELECT 1 FROM job WHERE job_id = %s FOR UPDATE", (job_id,))
+        holder.execute("UPDATE job_stage SET output = %s WHERE job_id = %s AND stage = %s",
+                       (Jsonb({"text": "new"}), job_id, FIRST))
+        got: list[Any] = []
+        waiting = threading.Thread(target=lambda: got.append(store.claim(**_claim_kw(
+            job_id, SECOND, reads=(f"output:{FIRST}",)))))
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while not query(settings.database_url, "SELECT 1 FROM pg_stat_activity WHERE "
+                        "datname = current_database() AND wait_event_type = 'Lock'"):
+            assert time.monotonic() < deadline, "the claim never waited for the job lock"
+            time.sleep(0.02)
+        holder.commit()
+        waiting.join(10)
+        assert not waiting.is_alive()
+    finally:
+        holder.close()
+    [claim] = got
+    assert isinstance(claim, Claim)
+    assert claim.inputs.previous_output == {"text": "new"}

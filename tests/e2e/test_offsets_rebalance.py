@@ -32,8 +32,6 @@ pytestmark = pytest.mark.e2e
 #: Rounds of join + kill -9 (bounded; more with JOBSTREAM_TEST_REBALANCE_ROUNDS).
 ROUNDS = int(os.environ.get("JOBSTREAM_TEST_REBALANCE_ROUNDS", "3"))
 DOCS_PER_ROUND = 9
-#: The fake provider's answer time (seconds).
-CALL_S = 0.35
 
 
 def _running_llm(url: str, tenant: str) -> int:
@@ -45,11 +43,9 @@ def _running_llm(url: str, tenant: str) -> int:
 @pytest.mark.timeout(600)
 def test_worker_joining_and_killed_mid_call_never_skips_an_offset(settings: Settings,
                                                                    tmp_path: Path) -> None:
-    # 0.35 s a call: the test is bound by the ~120 calls the survivor makes 4 at a time after
-    # the last kill (0.7 s a call until session 9: ~20 s of the test). Events still finish out
-    # of order (a partition's large documents first: 8 chunks against 1) and B still dies
-    # mid-call (it calls 4 at once; `taken >= 1` below fails otherwise).
-    with FakeProvider({"default": {"latency_s": CALL_S}}) as fake:
+    # 0.7 s a call, as in the rebalance storm: the test is bound by the ~120 calls the
+    # survivor makes 4 at a time after the last kill, and events still finish out of order.
+    with FakeProvider({"default": {"latency_s": 0.7}}) as fake:
         s = chaos.chaos_settings(settings, fake.base_url, lease_s=6.0)
         env = {k: v for k, v in chaos.settings_env(s).items() if k.startswith("JOBSTREAM_")}
         # A killed B's provider slots (the shared limit) are held provider_timeout_s +

@@ -103,7 +103,9 @@ class Settings(BaseSettings):
     provider_backoff_cap_s: float = Field(30.0, ge=0, description="Backoff cap (seconds).")
 
     charge_per_job_usd: float = Field(
-        0.01, ge=0, description="What a client is charged per accepted job (USD)."
+        0.01, ge=0, le=999_999.99999999,
+        description="What a client is charged per accepted job (USD; at most 999,999.99999999, "
+        "what job.ready's charge_usd and the numeric(14, 8) columns hold)."
     )
     provider_deadline_s: float = Field(
         300.0, gt=0, description="Budget: wall time for one chunk's attempts (seconds)."

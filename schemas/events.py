@@ -21,6 +21,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictInt,
     TypeAdapter,
     ValidationError,
     model_validator,
@@ -35,6 +36,13 @@ Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="sha256,
 #: identifier or a filename is expected: a schema violation, never a database error later.
 NO_CONTROL_CHARS = r"^[^\x00-\x1f\x7f-\x9f]*$"
 Lane = Literal["interactive", "batch"]
+#: Counts and money are strict: a JSON number, never ``true``, ``"1.5"`` or ``"12"`` (pydantic's
+#: lax mode would coerce those). Money is finite and at most 999,999.99999999 USD, what the
+#: ``numeric(14, 8)`` columns hold (a larger charge is a schema violation, not a database error
+#: after the event was accepted; ``lt=10^6`` let 999999.999999995 through, which rounds to 10^6
+#: at 8 decimals: breaker9). An integer-valued count sent as ``5.0`` is rejected too.
+USD_MAX = 999_999.99999999
+Usd = Annotated[float, Field(ge=0, le=USD_MAX, strict=True, allow_inf_nan=False)]
 
 
 class _Frozen(BaseModel):
@@ -51,7 +59,7 @@ class DocumentRef(_Frozen):
     filename: str = Field(min_length=1, max_length=512, pattern=NO_CONTROL_CHARS)
     content_type: Literal["text/plain", "application/pdf"] = "text/plain"
     sha256: Sha256Hex
-    size_bytes: int = Field(ge=0, description="Size of the document (bytes).")
+    size_bytes: int = Field(strict=True, ge=0, description="Size of the document (bytes).")
     content_b64: str | None = Field(None, description="The document's bytes, base64.")
     uri: str | None = Field(None, pattern=r"^file://", description="file:// URI of the bytes.")
 
@@ -111,26 +119,26 @@ class TextExtractedPayload(_Frozen):
     """Text extraction finished; the text is in the ``extract`` checkpoint."""
 
     text_sha256: Sha256Hex
-    char_count: int = Field(ge=0)
-    page_count: int = Field(ge=0, description="PDF pages; 0 for plain text.")
+    char_count: int = Field(strict=True, ge=0)
+    page_count: int = Field(strict=True, ge=0, description="PDF pages; 0 for plain text.")
 
 
 class ChunksReadyPayload(_Frozen):
     """Chunking finished; the chunks are rows of ``chunk``."""
 
-    chunk_count: int = Field(ge=1)
+    chunk_count: int = Field(strict=True, ge=1)
     chunks_sha256: Sha256Hex
 
 
 class LlmDonePayload(_Frozen):
     """Every chunk has a model output (from the provider or reused by dedup key)."""
 
-    chunk_count: int = Field(ge=1)
+    chunk_count: int = Field(strict=True, ge=1)
     output_sha256: Sha256Hex
-    provider_calls: int = Field(ge=0, description="Provider attempts of this stage, over all "
-                                "its runs (0 if reused).")
-    reused: bool
-    cost_usd: float = Field(ge=0, description="Provider cost of this stage (USD).")
+    provider_calls: int = Field(strict=True, ge=0, description="Provider attempts of this "
+                                "stage, over all its runs (0 if reused).")
+    reused: bool = Field(strict=True)
+    cost_usd: Usd = Field(description="Provider cost of this stage (USD).")
 
 
 class ValidatedPayload(_Frozen):
@@ -145,9 +153,9 @@ class DocumentAnalysis(_Frozen):
     title: str = Field(min_length=1, max_length=300)
     summary: str = Field(min_length=1, max_length=4000)
     keywords: list[str] = Field(min_length=1, max_length=20)
-    word_count: int = Field(ge=1)
-    chunk_count: int = Field(ge=1)
-    fields: dict[str, str | int | list[str]] = Field(
+    word_count: int = Field(strict=True, ge=1)
+    chunk_count: int = Field(strict=True, ge=1)
+    fields: dict[str, str | StrictInt | list[str]] = Field(
         default_factory=dict, description="Extracted fields, e.g. licence_name, version, years."
     )
 
@@ -158,8 +166,8 @@ class JobReadyPayload(_Frozen):
     result: DocumentAnalysis
     document_sha256: Sha256Hex
     filename: str = Field(max_length=512, pattern=NO_CONTROL_CHARS)
-    cost_usd: float = Field(ge=0, description="Provider cost of the job (USD).")
-    charge_usd: float = Field(ge=0, description="What the client is charged for it (USD).")
+    cost_usd: Usd = Field(description="Provider cost of the job (USD).")
+    charge_usd: Usd = Field(description="What the client is charged for it (USD).")
 
 
 class JobFailedPayload(_Frozen):
@@ -183,8 +191,9 @@ class _Envelope(_Frozen):
 class _JobEnvelope(_Envelope):
     job_id: uuid.UUID
     dedup_key: Sha256Hex
-    generation: int = Field(0, ge=0, description="The job's redrive generation: a redrive "
-                            "starts a new one and events of older generations are ignored.")
+    generation: int = Field(0, strict=True, ge=0, description="The job's redrive generation: "
+                            "a redrive starts a new one and events of older generations are "
+                            "ignored.")
 
 
 class DocumentUploaded(_Envelope):

@@ -58,7 +58,9 @@ def merge_analyses(filename: str, outputs: list[Any]) -> DocumentAnalysis:
                 if isinstance(v, list):
                     fields[k] = sorted(set(fields.get(k, [])) | {str(x) for x in v})[:20]
                 elif k not in fields and isinstance(v, str | int):
-                    fields[k] = v
+                    # A model's true/false stays 1/0, as the (once lax) schema coerced it:
+                    # DocumentAnalysis.fields takes strict integers only.
+                    fields[k] = int(v) if isinstance(v, bool) else v
         summary = " ".join(p.summary for p in parts[:3] if p.summary).strip()
         return DocumentAnalysis(
             title=next((p.title for p in parts if p.title), filename),

@@ -88,12 +88,17 @@ def test_copy_batches_with_duplicates_and_poison_mid_batch_apply_each_event_once
         settings: Settings, caplog: pytest.LogCaptureFixture) -> None:
     """The ready applier's batch path (binary COPY batch handler, decode-ahead thread): copies
     inside one batch and across batches (in one run and in a later run of the same group), an
-    undecodable message and an event Postgres refuses (its charge overflows numeric(14,8)) in
-    the middle of a batch. The refused one makes the COPY fail: the batch is rolled back and
-    split, and every neighbour is still applied exactly once."""
+    undecodable message and an event Postgres refuses in the middle of a batch. The refused
+    one makes the batch's statement fail: the batch is rolled back and split, and every
+    neighbour is still applied exactly once. The event's schema takes charges below 10^6 USD;
+    this downstream narrows its own column to numeric(6, 2), so Postgres refuses a valid
+    event's charge of 5 * 10^5 (numeric field overflow: data, not an outage)."""
+    with psycopg.connect(settings.database_url, autocommit=True) as conn:
+        conn.execute("ALTER TABLE downstream.ledger_charge ALTER COLUMN amount_usd "
+                     "TYPE numeric(6, 2)")
     events = [_ready("acme", f"e{i}") for i in range(30)]
     refused = _ready("acme", "refused").model_copy(update={"payload": events[0].payload.model_copy(
-        update={"filename": "refused", "charge_usd": 1e7})})
+        update={"filename": "refused", "charge_usd": 5e5})})
     first: list[JobReady | bytes] = []
     for i, ev in enumerate(events):
         first.append(ev)

@@ -127,3 +127,52 @@ _FIXED_ID = uuid.UUID("8eaa3248-7f9f-4a92-a8ee-2135efb1f56e")
 def test_odd_values_are_poison(raw: bytes | None) -> None:
     with pytest.raises(PoisonMessage):
         decode_event(raw, expected="job.ready")
+
+
+def _ready() -> dict[str, Any]:
+    from schemas.events import DocumentAnalysis, JobReady, JobReadyPayload
+    ev = JobReady(tenant_id="t1", idempotency_key="k1", job_id=uuid.uuid4(), dedup_key="d" * 64,
+                  payload=JobReadyPayload(
+                      result=DocumentAnalysis(title="t", summary="s", keywords=["k"],
+                                              word_count=3, chunk_count=1, fields={"n": 2}),
+                      document_sha256="0" * 64, filename="a.txt", cost_usd=0.5,
+                      charge_usd=0.01))
+    return json.loads(encode_event(ev))
+
+
+@pytest.mark.parametrize(("path", "value"), [
+    (("payload", "charge_usd"), True),          # pydantic's lax mode made this 1.0
+    (("payload", "charge_usd"), "1.5"),         # ... and this 1.5
+    (("payload", "charge_usd"), 1_000_000),     # numeric(14, 8) cannot hold it
+    (("payload", "cost_usd"), "0"),
+    (("payload", "result", "word_count"), "12"),
+    (("payload", "result", "word_count"), 12.0),
+    (("payload", "result", "chunk_count"), True),
+    (("payload", "result", "fields", "n"), True),
+    (("generation",), "1"),
+])
+def test_lax_numbers_are_schema_violations(path: tuple[str, ...], value: Any) -> None:
+    """Counts and money are JSON numbers of the right kind: what pydantic's lax mode would
+    coerce (a boolean, a numeric string, 12.0 for a count) is dead-lettered with its field."""
+    obj = _ready()
+    assert decode_event(json.dumps(obj).encode(), "job.ready").payload.charge_usd == 0.01
+    target = obj
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    with pytest.raises(PoisonMessage) as caught:
+        decode_event(json.dumps(obj).encode(), "job.ready")
+    assert caught.value.code == "schema_violation"
+    assert path[-1] in str(caught.value)
+
+
+@pytest.mark.parametrize("text", [b"1e400", b"-1e400", b"NaN", b"Infinity"])
+def test_non_finite_money_is_a_schema_violation(text: bytes) -> None:
+    """1e400 parses as infinity and NaN/Infinity are accepted by some parsers: neither is an
+    amount (USD)."""
+    raw = json.dumps(_ready()).encode().replace(b'"charge_usd": 0.01', b'"charge_usd": ' + text)
+    assert text in raw
+    with pytest.raises(PoisonMessage) as caught:
+        decode_event(raw, "job.ready")
+    assert caught.value.code in ("schema_violation", "not_json")
+    assert caught.value.code == "not_json" or "charge_usd" in str(caught.value)

@@ -7,14 +7,15 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import click
-from rich.console import Console
-from rich.table import Table
 
 from jobstream.settings import get_settings
 from schemas.pipeline import OLD_NAMES, PIPELINE, Pipeline
+
+if TYPE_CHECKING:  # rich is imported where a table is printed: the relay, consume-ready and
+    from rich.console import Console  # the other long-running commands never print one
 
 
 def _quiet_http_client() -> None:
@@ -116,6 +117,7 @@ def _console() -> Console:
     """Where tables go: the terminal's width on a terminal; 200 columns when stdout is a pipe
     or a file (CI logs, ``| less``), where rich would otherwise assume 80 and cut job ids and
     reason codes to an ellipsis. ``COLUMNS`` overrides both."""
+    from rich.console import Console
     if sys.stdout.isatty() or os.environ.get("COLUMNS"):
         return Console()
     return Console(width=200)
@@ -390,6 +392,7 @@ def jobs(tenant: str, as_json: bool) -> None:
         for r in rows:
             click.echo(json.dumps(dict(r), default=str))
         return
+    from rich.table import Table
     t = Table(title=f"jobs of {tenant}")
     t.add_column("job id", no_wrap=True, min_width=36)  # what redrive/status/cancel need
     for c in ("document", "status", "stage", "stages", "calls", "cost USD", "error"):
@@ -449,6 +452,7 @@ def _follow(client, ids: list[str], what: str) -> list[dict]:
 def _print_jobs(views: list[dict]) -> None:
     """One row per job: status, the stage it is at (for a failed job: the stage that failed),
     the error code."""
+    from rich.table import Table
     t = Table()
     t.add_column("job id", no_wrap=True, min_width=36)  # what redrive/status/cancel need
     for c in ("document", "status", "stage", "stages", "provider calls", "cost USD", "error"):
@@ -472,6 +476,7 @@ def _summary(views: list[dict]) -> int:
     def codes(vs: list[dict]) -> str:
         c = Counter(f"{v['error_code'] or '?'} at {v['current_stage']}" for v in vs)
         return ", ".join(f"{k} ×{n}" if n > 1 else k for k, n in sorted(c.items()))
+    from rich.table import Table
     t = Table(title=f"{len(views)} jobs")
     t.add_column("result")
     t.add_column("jobs", justify="right")
@@ -674,6 +679,7 @@ def reconcile(job_id, resolution: str | None) -> None:
         if not rows:
             click.echo("no jobs need reconciliation")
             return
+        from rich.table import Table
         t = Table(title="jobs needing reconciliation")
         for c in ("job id", "tenant", "document", "lane", "stage", "unknown attempts", "since"):
             t.add_column(c)
@@ -820,6 +826,7 @@ def dlq_list(topic: str | None, limit: int, as_json: bool) -> None:
 
     def short(name: str | None) -> str:
         return name[len(prefix):] if name and prefix and name.startswith(prefix) else name or "?"
+    from rich.table import Table
     t = Table(title=f"dead letters ({len(rows)})" + (f", prefix {prefix!r}" if prefix else ""))
     t.add_column("dlq message", no_wrap=True)
     t.add_column("reason code", no_wrap=True)
@@ -927,6 +934,7 @@ def chaos(points: str | None, jobs: int, keep: bool, mode: str) -> None:
             chaos_mod.owner_of(f)
     except KeyError as exc:
         raise click.BadParameter(str(exc.args[0]), param_hint="--points") from None
+    from rich.console import Console
     console = Console(width=max(120, Console().width))
     root = Path(os.environ.get("JOBSTREAM_HOME", Path(__file__).resolve().parents[1] / ".local"))
     logging.getLogger().setLevel(logging.WARNING)
@@ -940,6 +948,7 @@ def chaos(points: str | None, jobs: int, keep: bool, mode: str) -> None:
 
     results = chaos_mod.run_matrix(get_settings(), faults, jobs=jobs, workdir=root / "chaos",
                                    keep=keep, on_result=show, mode=mode)
+    from rich.table import Table
     t = Table(title=f"{'pause' if mode == 'pause' else 'crash'} matrix, {jobs} jobs per point")
     for c in ("fault", "process", "killed", "seconds", "provider calls", "re-published",
               "retaken stages", "result"):

@@ -17,7 +17,9 @@ Installs promtool (Debian's prometheus package) for the alert-rule tests when mi
 
 Without arguments: the whole suite (unit, integration, e2e; ~20-25 min on 2 cores), in one process,
 or on JOBSTREAM_TEST_WORKERS pytest-xdist workers when set (2: ~17-21 min, not the default yet: see
-docs/testing.md). Arguments go to pytest (one process unless they say -n), e.g.
+docs/testing.md). JOBSTREAM_TEST_POINTS_AT_ONCE (default 3): how many crash/pause-matrix points
+run at once in threads (each its own database, topics and processes; 1 runs them in turn).
+Arguments go to pytest (one process unless they say -n), e.g.
   bash scripts/test.sh tests/unit -q               # the unit tests only (~1 min)
   bash scripts/test.sh tests/e2e/test_pause.py     # one module
   bash scripts/test.sh -k exactly_once -x          # by name, stop at the first failure

@@ -405,25 +405,36 @@ def freeze_in_local_llm(settings: Settings, procs: ProcessRunner, key: str, text
     return relay, frozen
 
 
+#: How many points :func:`run_points_concurrently` runs at once by default
+#: (``JOBSTREAM_TEST_POINTS_AT_ONCE``; 2 until session 9, 1 runs them one after another).
+POINTS_AT_ONCE = int(os.environ.get("JOBSTREAM_TEST_POINTS_AT_ONCE", "3"))
+
+
 @contextmanager
 def run_points_concurrently(request: Any, test_name: str, param: str,
-                            run: Callable[[str], Any], width: int = 2
-                            ) -> Iterator[dict[str, Any]]:
+                            run: Callable[[str], Any], width: int | None = None,
+                            pool: Any = None) -> Iterator[dict[str, Any]]:
     """Start the selected points of the parametrised test ``test_name`` (its ``param`` values,
-    in collection order), ``width`` at a time in threads, each by ``run(point)``; yields
-    ``{point: concurrent.futures.Future}``. For a module fixture of points that are
-    independent (each its own database, topic prefix, fake provider and processes) and that
-    mostly WAIT (fixed pauses, session timeouts): two overlap their waits, and the wall time of
-    the matrix nearly halves. Exits once every started point finished."""
+    in collection order), ``width`` (default :data:`POINTS_AT_ONCE`, 3) at a time in threads,
+    each by ``run(point)``; yields ``{point: concurrent.futures.Future}``. For a module fixture
+    of points that are independent (each its own database, topic prefix, fake provider and
+    processes) and that mostly WAIT (fixed freezes, session timeouts, leases): they overlap
+    their waits. Six points three at a time take two rounds, not three. Exits once every
+    started point finished; with ``pool`` (a ``ThreadPoolExecutor`` several such fixtures
+    share, ``width`` then unused) the points go to that pool and whoever owns it waits."""
     from concurrent.futures import ThreadPoolExecutor
+    width = width or POINTS_AT_ONCE
     # pytest creates (and first empties) the session's base temp dir on its first use: here,
     # not in two threads at once (one would delete the other's tmp_path_factory.mktemp dir).
     request.getfixturevalue("tmp_path_factory").getbasetemp()
     points = [item.callspec.params[param] for item in request.session.items
               if getattr(item, "originalname", None) == test_name
               and item.module is request.module]
-    with ThreadPoolExecutor(max_workers=width, thread_name_prefix=test_name) as pool:
+    if pool is not None:
         yield {p: pool.submit(run, p) for p in points}
+        return
+    with ThreadPoolExecutor(max_workers=width, thread_name_prefix=test_name) as own:
+        yield {p: own.submit(run, p) for p in points}
 
 
 @contextmanager

@@ -48,8 +48,11 @@ def test_a_dead_letter_slower_than_the_idle_limit_is_written_once(
     assert producer.flush(30) == 0
     group = settings.group("downstream-ready-applier")
     procs.start("consume-ready", name="consumer",
+                # Each DLQ produce waits longer than the idle limit (1.5 s > 1 s): the session
+                # ended there before the fix. Two waits per hostile message (the DLQ, then the
+                # reference record): 6 x 1.5 s (was 6 x 2 s).
                 JOBSTREAM_CONSUMER_TRANSACTION_IDLE_TIMEOUT_S="1",
-                JOBSTREAM_DLQ_PRODUCE_TIMEOUT_S="2")
+                JOBSTREAM_DLQ_PRODUCE_TIMEOUT_S="1.5")
 
     def tabled() -> list[dict[str, object]]:
         return query(url, "SELECT kafka_offset, count(*) AS n FROM dead_letter "

@@ -22,6 +22,7 @@ import signal
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,14 @@ from jobstream.drills import chaos
 from jobstream.drills.fake_provider import FakeProvider
 from jobstream.producer import submit, uploaded_event
 from jobstream.settings import Settings
-from tests.helpers import Proc, ProcessRunner, query, run_points_concurrently, wait_for
+from tests.helpers import (
+    POINTS_AT_ONCE,
+    Proc,
+    ProcessRunner,
+    query,
+    run_points_concurrently,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -158,12 +166,28 @@ PAUSED_CASES = {
 
 
 @pytest.fixture(scope="module")
+def points_pool() -> Iterator[ThreadPoolExecutor]:
+    """The threads that run this module's points (:func:`paused_worker_runs`,
+    :func:`pause_matrix`), ``POINTS_AT_ONCE`` (3) at a time; leaving waits for every point."""
+    with ThreadPoolExecutor(max_workers=POINTS_AT_ONCE, thread_name_prefix="pause") as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module", autouse=True)
+def points_started(paused_worker_runs: dict[str, Any], pause_matrix: dict[str, Any]) -> None:
+    """Start every selected point at the module's first test: they wait (freezes, leases,
+    sessions) in the pool's threads while the ``rig`` tests run one by one in the main thread,
+    each still on its own database, topic prefix, fake provider and processes."""
+
+
+@pytest.fixture(scope="module")
 def paused_worker_runs(request: pytest.FixtureRequest, isolated_settings: Any,
-                       tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """The selected cases of :data:`PAUSED_CASES`, two at a time (each mostly waits for a lease
-    and the sweeper), each with its own rig (database, topic prefix, fake provider, processes)
-    exactly as the ``rig`` fixture makes it: ``{case: Future[effects]}``; a failed assertion
-    is raised by the case's own test."""
+                       tmp_path_factory: pytest.TempPathFactory,
+                       points_pool: ThreadPoolExecutor) -> Iterator[dict[str, Any]]:
+    """The selected cases of :data:`PAUSED_CASES`, in :func:`points_pool` (each mostly waits
+    for a lease and the sweeper), each with its own rig (database, topic prefix, fake provider,
+    processes) exactly as the ``rig`` fixture makes it: ``{case: Future[effects]}``; a failed
+    assertion is raised by the case's own test."""
     def run(case: str) -> dict[str, int]:
         how, second_worker = PAUSED_CASES[case]
         with isolated_settings() as base, FakeProvider() as fake:
@@ -174,7 +198,7 @@ def paused_worker_runs(request: pytest.FixtureRequest, isolated_settings: Any,
             finally:  # the case asserted what it needed: frozen processes too
                 rig.runner.kill_all()
     with run_points_concurrently(request, "test_a_paused_worker_never_strands_its_job", "case",
-                                 run) as futs:
+                                 run, pool=points_pool) as futs:
         yield futs
 
 
@@ -289,9 +313,11 @@ def _pause_s(s: Settings, fault: str) -> float | None:
 
 @pytest.fixture(scope="module")
 def pause_matrix(request: pytest.FixtureRequest, isolated_settings: Any,
-                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """The selected points of the pause matrix, two at a time (each frozen ~17 s: lease +
-    sweep grace + session + 3 s, so two freezes overlap), each on its own database, topic
+                 tmp_path_factory: pytest.TempPathFactory,
+                 points_pool: ThreadPoolExecutor) -> Iterator[dict[str, Any]]:
+    """The selected points of the pause matrix, in :func:`points_pool` after the paused-worker
+    cases (a worker point frozen ~17 s: lease + sweep grace + session + 3 s, so the freezes
+    overlap), each on its own database, topic
     prefix, fake provider and processes, exactly as one test of its own would run it:
     ``{fault: Future[PointResult]}``."""
     def run(fault: str) -> chaos.PointResult:
@@ -299,7 +325,8 @@ def pause_matrix(request: pytest.FixtureRequest, isolated_settings: Any,
         with isolated_settings() as s:
             return chaos.run_point(s, fault, jobs=3, logdir=logdir, timeout_s=150,
                                    mode="pause", pause_s=_pause_s(s, fault))
-    with run_points_concurrently(request, "test_pause_matrix_point", "fault", run) as futs:
+    with run_points_concurrently(request, "test_pause_matrix_point", "fault", run,
+                                 pool=points_pool) as futs:
         yield futs
 
 

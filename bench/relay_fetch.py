@@ -8,6 +8,9 @@ unpublished or rolled back, and runs the statement once in each mode, alternatin
 first. ``--in-flight N`` leaves the N newest rows below the last id undeleted (produced, not
 yet acknowledged): the range read skips them by the array of ids the relay sends with it
 (up to ``relay_max_in_flight``, 5,000); a look that probes its gaps sends none.
+``full_range`` / ``full_probes``: the full rescan (every ``relay_full_rescan_s``) before and
+since perf-relay7: the range from id 0, or the range up to ``_gap_base`` (0 here) and every
+gap the relay knows probed (docs/design-notes.md, "The full rescan probes the old gaps").
 ``--hold-snapshot`` keeps a REPEATABLE READ transaction open in the same database
 (another backend's snapshot, as a busy pipeline always has one): the deleted rows' index
 entries cannot be marked dead by the scan then, and every look walks them again.
@@ -63,7 +66,8 @@ def main() -> None:
     result: dict[str, Any] = {"benchmark": "relay_fetch", "machine": machine(),
                               "params": {k: v for k, v in vars(args).items()
                                          if k not in ("database_url", "plot")}}
-    runs: dict[str, list[dict[str, float]]] = {"range": [], "gaps": []}
+    runs: dict[str, list[dict[str, float]]] = {"range": [], "gaps": [], "full_range": [],
+                                               "full_probes": []}
     with fresh_database(args.database_url, "relayfetch") as url, \
             psycopg.connect(url, autocommit=True) as conn, \
             psycopg.connect(url, autocommit=True) as other:
@@ -85,10 +89,17 @@ def main() -> None:
             conn.execute("INSERT INTO outbox (topic, kafka_key, payload, headers, event_id, "
                          "event_type) VALUES ('bench.t', 'k', '\\x00', '{}', "
                          "gen_random_uuid(), 'job.text_extracted')")  # a new row after hwm
-            common = {"ids": [], "at": datetime.now(UTC), "log": True, "hwm": hwm, "n": 500}
+            common = {"ids": [], "at": datetime.now(UTC), "log": True, "hwm": hwm, "n": 500,
+                      "upto": hwm}
+            # full_range: the full rescan (every relay_full_rescan_s) before perf-relay7, the
+            # range from id 0; full_probes: since, the range up to _gap_base (0 here: the
+            # relay's session started below these rows) and every gap known probed.
             modes = {"range": {**common, "floor": floor, "gaps": [], "skip": flying},
-                     "gaps": {**common, "floor": hwm, "gaps": gaps, "skip": []}}
-            order = ["range", "gaps"] if rnd % 2 == 0 else ["gaps", "range"]
+                     "gaps": {**common, "floor": hwm, "gaps": gaps, "skip": []},
+                     "full_range": {**common, "floor": 0, "gaps": [], "skip": flying},
+                     "full_probes": {**common, "floor": 0, "upto": 0, "gaps": gaps,
+                                     "skip": flying}}
+            order = list(modes) if rnd % 2 == 0 else list(reversed(modes))
             for mode in order:
                 runs[mode].append(_explain(conn, modes[mode]))
             conn.execute("DELETE FROM outbox WHERE id = ANY(%s)", (gaps + flying,))

@@ -263,6 +263,15 @@ class Settings(BaseSettings):
                                  "(undeliverable; their jobs fail) so they stop holding up the "
                                  "outbox (seconds; 0 parks at the first failure)."
     )
+    relay_topic_propagation_ms: int = Field(
+        3000, ge=0, description="Relay: the producers' topic.metadata.propagation.max.ms "
+                                "(milliseconds): how long the first row to a topic the broker "
+                                "does not know waits in the client before it fails as missing "
+                                "(librdkafka's default 30000). Its rows are held and re-sent "
+                                "anyway (relay_missing_topic_park_s), so a short wait costs "
+                                "nothing; a topic created later is found on the re-send. "
+                                "JOBSTREAM_KAFKA_EXTRA's value, if any, wins."
+    )
     relay_batch_size: int = Field(500, ge=1, description="Outbox rows per relay batch.")
     relay_linger_ms: float = Field(
         0.0, ge=0, description="Relay: the producer's linger.ms (milliseconds), how long a row "

@@ -10,7 +10,10 @@ Protocol (design.md, "Outbox relay"):
    (and from id 0 every ``relay_full_rescan_s``), so a transaction that commits late with a
    lower id is still published (see "the pipelined loop" below and docs/design-notes.md);
    caught up, by probing only the ids it read past without a row (its gaps) while it knows
-   them all, instead of reading the range from the floor.
+   them all, instead of reading the range from the floor; the full rescan probes every gap
+   it knows, old ones too, and reads from id 0 only up to where it knows them (the whole
+   range after an id-sequence restart; docs/design-notes.md, "The full rescan probes the old
+   gaps").
 3. Produce with an idempotent producer (``enable.idempotence=true``, ``acks=all``) without
    waiting: up to ``relay_max_in_flight`` rows are in flight while the next batch is fetched.
 4. Delete a row (keeping its compact ``outbox_published`` record, migration 0022) only after
@@ -41,9 +44,11 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
+from operator import itemgetter
 from typing import Any
 
 import orjson
@@ -71,6 +76,10 @@ MAX_GAP_PROBES = 256
 #: Gaps tracked at most; beyond (a sequence jump, mass rollbacks) tracking restarts above the
 #: last id and the relay reads from the floor until the floor passes it.
 MAX_GAPS = 20000
+#: The full rescan probes the gaps it knows (old ones too) instead of reading the range above
+#: ``_gap_base`` while there are at most this many; with more it reads the whole range, as
+#: before, and the tracking restarts above the last id (see _fetch).
+MAX_FULL_RESCAN_PROBES = 4096
 
 
 class DeliveryFailed(Exception):
@@ -78,6 +87,7 @@ class DeliveryFailed(Exception):
 
 
 _MISSING = object()
+_ID = itemgetter(0)  # an outbox row's id
 #: Delivery errors that no retry fixes: the row is parked (dead_letter table), not re-sent.
 PERMANENT_ERRORS = frozenset({
     KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.INVALID_MSG, KafkaError.INVALID_MSG_SIZE,
@@ -119,6 +129,18 @@ def record_bytes(row: tuple[Any, ...]) -> int:
     elif headers:  # not the relay's dict (jsonb of another shape): its JSON, an upper bound
         n += HEADER_OVERHEAD + len(orjson.dumps(headers, default=str))
     return n
+
+
+def relay_topic_wait(settings: Settings) -> dict[str, int]:
+    """The relay producers' ``topic.metadata.propagation.max.ms`` (milliseconds):
+    ``relay_topic_propagation_ms``, unless ``kafka_extra`` sets it (then that, from
+    :func:`jobstream.kafka.base_config`). librdkafka's default (30 s) held the first row to a
+    topic the broker does not know (and the relay's flush with it) for half a minute before
+    it failed as missing; the relay holds such rows and re-sends them on the topic's own
+    backoff anyway (:meth:`OutboxRelay._hold`, docs/design-notes.md "Relay windows")."""
+    if "topic.metadata.propagation.max.ms" in settings.kafka_extra:
+        return {}
+    return {"topic.metadata.propagation.max.ms": settings.relay_topic_propagation_ms}
 
 
 def narrow_batch_bytes(limit: int) -> int:
@@ -165,11 +187,21 @@ class RelayStats:
     started_at: float = field(default_factory=time.monotonic)
 
 
+def id_array(ids: Iterable[int]) -> str:
+    """``ids`` (outbox ids, ints) as a Postgres array literal (``'{1,2,3}'``), the parameter
+    the relay's queries cast with ``::bigint[]``. psycopg dumps a Python list element by
+    element in Python (~1.7 us per id, measured: 831 us for 500 ids, against 126 us for
+    this join), and the relay sends every id at least once (its delete) and up to
+    ``relay_max_in_flight`` of them per look from the floor (the ids to skip) (issue 12,
+    perf-relay7)."""
+    return "{" + ",".join(map(str, ids)) + "}"
+
+
 def delete_params(ids: list[int], at: float, log: bool) -> dict[str, Any]:
-    """Parameters of ``outbox_delete_published``: the row ids, ``at`` (epoch seconds: when
-    the acknowledgements were seen) as a timestamptz, and whether to keep the compact
-    ``outbox_published`` record."""
-    return {"ids": ids, "at": datetime.fromtimestamp(at, UTC), "log": log}
+    """Parameters of ``outbox_delete_published``: the row ids (as :func:`id_array`), ``at``
+    (epoch seconds: when the acknowledgements were seen) as a timestamptz, and whether to
+    keep the compact ``outbox_published`` record."""
+    return {"ids": id_array(ids), "at": datetime.fromtimestamp(at, UTC), "log": log}
 
 
 class Marker(threading.Thread):
@@ -245,7 +277,7 @@ class OutboxRelay:
         # linger.ms: relay_linger_ms (0: a caught-up row is sent at once; bench/README.md).
         self._producer = Producer(producer_config(settings, **{
             "client.id": "jobstream-relay", "partitioner": "murmur2_random",
-            "linger.ms": settings.relay_linger_ms}))
+            "linger.ms": settings.relay_linger_ms, **relay_topic_wait(settings)}))
         self._ctx: Any = None  # StageContext of the sweeper, made on first use
         # The pipeline (see pump): rows in flight by id, acknowledged (to mark), failed.
         self._pending: dict[int, tuple[Any, ...]] = {}
@@ -288,6 +320,14 @@ class OutboxRelay:
         #: _track_gaps and the comment above pump.
         self._gaps: dict[int, float] = {}
         self._gap_base = 0
+        #: Gaps forgotten by the looks (a look relay_late_commit_s after they were first seen
+        #: did not find them: rolled back, or a transaction open longer than that), still in
+        #: (_gap_base, _hwm]: the full rescan probes them instead of reading the range
+        #: (issue 12, perf-relay7). Cleared with _gaps.
+        self._old_gaps: set[int] = set()
+        #: The outbox id sequence's relfilenode at the last full rescan (None: not yet seen):
+        #: ALTER SEQUENCE ... RESTART gives it a new one (see _sequence_restarted).
+        self._seq_filenode: int | None = None
 
     def stop(self, *_: Any) -> None:
         """Ask the relay loop to finish its current batch and return."""
@@ -409,8 +449,26 @@ class OutboxRelay:
             floor = self._floor
             gaps = self._gaps
             probing = False
-            if now - self._last_full >= st.relay_full_rescan_s:
-                floor, self._last_full = 0, now  # a transaction open longer than the window
+            old = self._old_gaps
+            upto = self._hwm  # the range read: (floor, upto]
+            full = now - self._last_full >= st.relay_full_rescan_s
+            if full:  # a transaction open longer than the window
+                self._last_full = now
+                if (len(gaps) + len(old) <= MAX_FULL_RESCAN_PROBES
+                        and not self._sequence_restarted(conn)):
+                    # Every id in (_gap_base, _hwm] the relay has not fetched is a gap, young
+                    # or old: read the range up to _gap_base only and probe the gaps, instead
+                    # of walking the index entries (and heap tuples) of every row deleted
+                    # since the last vacuum up to the last id (bench/README.md, seventh pass).
+                    floor, upto = 0, self._gap_base
+                else:
+                    # Too many to probe (rolled-back ids stay gaps for good), or ids below
+                    # the last one may be handed out again: the whole range, as before, and
+                    # the tracking restarts above the last id.
+                    floor = 0
+                    gaps.clear()
+                    old.clear()
+                    self._gap_base = self._hwm
             elif floor >= self._gap_base and len(gaps) <= MAX_GAP_PROBES:
                 # Every id below the last one the relay has not fetched is in _gaps: probe
                 # those instead of reading the range (an empty range from the last id).
@@ -428,8 +486,16 @@ class OutboxRelay:
             lowest = min((min(u) for u in (pending.keys(), marking, ids, held) if u),
                          default=hwm + 1)
             probe: list[int] = []
-            skip: list[int] = []
-            if probing:
+            young_low = hwm + 1  # the lowest young gap probed (old ones do not hold the floor)
+            skip: Iterable[int] = ()
+            if full and upto < hwm:
+                # The range below _gap_base may hold rows in flight (given back, then the
+                # tracking restarted above them): skipped as in any range read.
+                skip = pending.keys() | marking | set(ids) | held
+                probe = sorted(g for g in gaps.keys() | old if g not in pending
+                               and g not in marking and g not in held)
+                young_low = min(gaps, default=young_low)
+            elif probing:
                 # A gap was never fetched, so it is not in flight; checked all the same (a
                 # row re-sent while in flight is a duplicate). No range to skip rows in:
                 # the up to relay_max_in_flight ids in flight are not sent (the array's
@@ -437,18 +503,21 @@ class OutboxRelay:
                 probe = [g for g in sorted(gaps) if g not in pending and g not in marking
                          and g not in held]
             else:
-                skip = list(pending.keys() | marking | set(ids) | held)
+                skip = pending.keys() | marking | set(ids) | held
             self.stats.transactions += 1
             with conn.cursor(row_factory=tuple_row, binary=True) as cur:
                 rows = cur.execute(Q["outbox_delete_and_fetch"],
-                                   {"floor": floor, "hwm": hwm, "skip": skip, "n": n,
-                                    "gaps": probe,
+                                   {"floor": floor, "upto": upto, "hwm": hwm,
+                                    "skip": id_array(skip),
+                                    "n": n, "gaps": id_array(probe),
                                     **delete_params(ids, self._acked_at,
                                                     st.relay_published_log)}).fetchall()[:n]
             # Below ``low`` every row was published, or not yet visible: committed by a
             # transaction that was still open now (it has its id already).
             late = rows[0][0] if rows and rows[0][0] <= hwm else hwm + 1
-            low = min(late, lowest, probe[0] if probe else hwm + 1) - 1
+            if probing and probe:
+                young_low = probe[0]
+            low = min(late, lowest, young_low) - 1
             floors.append((now, low))
             self._last_rescan = now
             self._track_gaps(hwm, rows, now)
@@ -456,6 +525,7 @@ class OutboxRelay:
                 due = now - st.relay_late_commit_s
                 for gap in [g for g, seen in gaps.items() if seen <= due]:
                     del gaps[gap]
+                    old.add(gap)  # probed by the full rescan from now on
         self._draining = len(rows) >= n
         if rows:
             self._hwm = max(self._hwm, max(r[0] for r in rows))
@@ -479,17 +549,40 @@ class OutboxRelay:
             i = row[0]
             if i <= after:
                 gaps.pop(i, None)
+                self._old_gaps.discard(i)
                 continue
             if i > prev + 1:
                 if len(gaps) + i - prev - 1 > MAX_GAPS:
                     # Too many to track: restart above the last id read (the range from the
                     # floor is read until the floor passes it).
                     gaps.clear()
+                    self._old_gaps.clear()
                     self._gap_base = rows[-1][0]
                     return
                 for gap in range(prev + 1, i):
                     gaps[gap] = now
             prev = i
+
+    def _sequence_filenode(self, conn: Conn) -> tuple[int, int | None]:
+        """The outbox id sequence's last value (0 before its first ``nextval``) and
+        relfilenode (None if not found); one statement on ``conn``."""
+        self.stats.transactions += 1
+        row = conn.execute(Q["outbox_id_sequence_state"]).fetchone()
+        if row is None:
+            return 0, None
+        return int(row["last_value"] or 0), row["filenode"]
+
+    def _sequence_restarted(self, conn: Conn) -> bool:
+        """Whether the outbox id sequence may hand out ids at or below the last id fetched
+        again (the full rescan then reads the whole range: such rows are neither gaps nor
+        after the last id; breaker8, tests/e2e/test_break_relay_gap_bounds.py): its last
+        value is below that id (``setval`` lower, or RESTART and not yet past it), or it got
+        a new relfilenode since the session started or the last full rescan (ALTER SEQUENCE
+        ... RESTART, TRUNCATE ... RESTART IDENTITY), or that was not known. Not seen: a
+        ``setval`` lower whose ids pass the last id again before the next full rescan."""
+        last, filenode = self._sequence_filenode(conn)
+        seen, self._seq_filenode = self._seq_filenode, filenode
+        return seen is None or seen != filenode or last < self._hwm
 
     def _read_ahead(self, conn: Conn) -> None:
         """Send the next draining fetch (the rows after ``_hwm``) without waiting for it
@@ -554,6 +647,7 @@ class OutboxRelay:
         self._floor, self._draining = 0, False
         self._floors.clear()
         self._gaps.clear()
+        self._old_gaps.clear()
         self._gap_base = self._hwm
 
     def _produce(self, rows: list[tuple[Any, ...]]) -> None:
@@ -750,7 +844,8 @@ class OutboxRelay:
             producer.flush(5)
         self._narrow_producer = producer = Producer(producer_config(self.settings, **{
             "client.id": "jobstream-relay-narrow", "partitioner": "murmur2_random",
-            "linger.ms": self.settings.relay_linger_ms, "batch.size": want}))
+            "linger.ms": self.settings.relay_linger_ms, "batch.size": want,
+            **relay_topic_wait(self.settings)}))
         self._narrow_batch = want
         return producer
 
@@ -891,7 +986,7 @@ class OutboxRelay:
         self._acked = []
         self.stats.published += len(acked)
         self.stats.batches += 1
-        return [r[0] for r in acked]
+        return list(map(_ID, acked))
 
     def mark(self, conn: Conn) -> int:
         """Delete the rows acknowledged so far (one statement; their compact
@@ -1219,6 +1314,7 @@ class OutboxRelay:
     def _reset_pipeline(self) -> None:
         """Forget the rows in flight (a new session: they are fetched again)."""
         self._ahead = None  # its session is gone (or it was taken)
+        self._seq_filenode = None
         self._pending.clear()
         self._acked, self._failed, self._refused = [], [], []
         self._held.clear()
@@ -1287,6 +1383,10 @@ class OutboxRelay:
                     # The marks commit without waiting for the WAL flush (see mark()).
                     conn.execute(Q["relay_session_async_commit"])
                     self._reset_pipeline()
+                    if not self.housekeeping_only:
+                        # The session's first look reads from id 0; a RESTART of the id
+                        # sequence after it changes this (_sequence_restarted).
+                        self._seq_filenode = self._sequence_filenode(conn)[1]
                     if not self.housekeeping_only:
                         self._marker = self._new_marker()
                         self._marker.start()

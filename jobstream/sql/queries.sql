@@ -658,7 +658,9 @@ DELETE FROM outbox WHERE id = ANY(%(ids)s::bigint[]);
 -- deleted are in %(skip)s (or at or below %(hwm)s). Below the last id either the range from
 -- the floor is read or, when the relay knows every id it read past without a row, those ids
 -- (%(gaps)s) are probed and the range is empty (%(floor)s = %(hwm)s): the range walks the index
--- entries of every row deleted since the last vacuum (issue 12, perf-relay6).
+-- entries of every row deleted since the last vacuum (issue 12, perf-relay6). The range is
+-- (%(floor)s, %(upto)s]: up to the last id, or, in the full rescan, up to the id above which the
+-- relay knows every id it has not fetched (its gaps, probed; perf-relay7).
 WITH gone AS (DELETE FROM outbox WHERE id = ANY(%(ids)s::bigint[])
               RETURNING id, event_id, event_type, kafka_key, created_at),
      kept AS (INSERT INTO outbox_published (id, event_id, event_type, kafka_key, created_at,
@@ -666,7 +668,7 @@ WITH gone AS (DELETE FROM outbox WHERE id = ANY(%(ids)s::bigint[])
               SELECT id, event_id, event_type, kafka_key, created_at, %(at)s FROM gone
                WHERE %(log)s)
 (SELECT id, topic, kafka_key, payload, headers, event_type FROM outbox
-  WHERE published_at IS NULL AND id > %(floor)s AND id <= %(hwm)s
+  WHERE published_at IS NULL AND id > %(floor)s AND id <= %(upto)s
     AND id <> ALL(%(skip)s::bigint[])
   ORDER BY id LIMIT %(n)s)
 UNION ALL
@@ -677,6 +679,14 @@ UNION ALL
 UNION ALL
 (SELECT id, topic, kafka_key, payload, headers, event_type FROM outbox
   WHERE published_at IS NULL AND id > %(hwm)s ORDER BY id LIMIT %(n)s);
+
+-- name: outbox_id_sequence_state
+-- The relay's full rescan (perf-relay7): the outbox id sequence's last value (NULL before its
+-- first nextval) and relfilenode (a new one after ALTER SEQUENCE ... RESTART): ids at or below
+-- the relay's last id may be handed out again, so the rescan reads the whole range.
+SELECT pg_sequence_last_value(pg_get_serial_sequence('outbox', 'id')::regclass) AS last_value,
+       c.relfilenode::bigint AS filenode
+  FROM pg_class c WHERE c.oid = pg_get_serial_sequence('outbox', 'id')::regclass;
 
 -- name: relay_lock_session_timeout
 -- The relay's lock session is ended by Postgres after %(ms)s milliseconds (text) idle, in or out

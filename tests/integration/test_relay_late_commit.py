@@ -126,3 +126,54 @@ def test_late_commits_are_found_by_their_gaps_and_after_a_sequence_jump(
     assert "rolled-back" not in keys and set(keys.values()) == {1}, keys
     assert sum(1 for k in keys if "-next-" in k) == 10, keys
     assert relay.popen.poll() is None and "Traceback" not in relay.log_text()
+
+
+def _pkey_entries_read(url: str) -> int:
+    """Index entries the outbox's primary key has returned to scans (pg_stat_user_indexes),
+    dead ones included: what a range read walks."""
+    return int(query(url, "SELECT idx_tup_read AS n FROM pg_stat_user_indexes "
+                          "WHERE indexrelname = 'outbox_pkey'")[0]["n"])
+
+
+def test_the_full_rescan_probes_old_gaps_instead_of_walking_deleted_rows(
+        settings: Settings, procs: ProcessRunner) -> None:
+    """perf-relay7: the full rescan (every ``relay_full_rescan_s``, 2 s here) probes the gaps
+    the relay knows, old ones too (forgotten by the looks after ``relay_late_commit_s``),
+    instead of reading the range from id 0. A transaction stays open over 3,000 rows committed,
+    published and deleted after its id (its xid keeps their index entries from being marked
+    dead, as any long transaction does): two full rescans read far fewer index entries than
+    the 3,000 one range read walks (they read ~6,000 before), and the open transaction's row,
+    committed after them, is still published, once."""
+    topic = settings.topic("job.failed")
+    url = settings.database_url
+    with psycopg.connect(url, autocommit=True) as conn:  # no vacuum to clean the range
+        conn.execute("ALTER TABLE outbox SET (autovacuum_enabled = false)")
+    relay = procs.start("relay", JOBSTREAM_RELAY_LATE_COMMIT_S="1",
+                        JOBSTREAM_RELAY_FULL_RESCAN_S="2")
+    wait_for(lambda: "relay active" in relay.log_text(), 60, "the relay to be active",
+             procs.logs)
+    long_ = psycopg.connect(url)
+    try:
+        long_id = _insert(long_, topic, "late-long")
+        with psycopg.connect(url) as conn, conn.cursor() as cur:
+            cur.executemany(Q["outbox_insert"], [
+                (topic, f"next-{i}", b"{}", Jsonb({"key": f"next-{i}"}), uuid.uuid4(),
+                 "test.row") for i in range(3000)])
+        wait_for(lambda: query(url, "SELECT count(*) AS n FROM outbox_published "
+                                    "WHERE id > %s", (long_id,))[0]["n"] == 3000,
+                 60, "the rows after the open transaction's id published", procs.logs)
+        time.sleep(4.0)  # its gap is old, the session's first full rescan (whole range) done
+        before = _pkey_entries_read(url)
+        time.sleep(5.0)  # two full rescans
+        time.sleep(2.0)  # the relay's backend flushes its statistics about every second
+        walked = _pkey_entries_read(url) - before
+        assert walked < 1500, f"{walked} index entries read in two full rescans"
+        long_.commit()
+    finally:
+        long_.close()
+    wait_for(lambda: not query(url, "SELECT 1 FROM outbox"), 30,
+             "the open transaction's row published by a full rescan's probe", procs.logs)
+    keys = Counter(m.key().decode() for m in read_topic(settings, topic))
+    assert keys["late-long"] == 1 and len(keys) == 3001 and set(keys.values()) == {1}, \
+        keys.most_common(3)
+    assert relay.popen.poll() is None and "Traceback" not in relay.log_text()

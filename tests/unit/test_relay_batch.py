@@ -13,7 +13,7 @@ from confluent_kafka import KafkaError, KafkaException
 
 from jobstream.db import QUERIES as Q
 from jobstream.settings import Settings
-from outbox_relay.relay import DeliveryFailed, OutboxRelay
+from outbox_relay.relay import DeliveryFailed, OutboxRelay, id_array, relay_topic_wait
 
 
 class FakeConn:
@@ -93,8 +93,9 @@ ROWS = [(1, "t", "k1", b"v1", {"event_id": "e1", "schema_version": "1"}, "job.re
 
 def _deleted(conn: FakeConn) -> list[list[int]]:
     """The ids of every delete the relay ran (alone, or with a fetch)."""
-    return [p["ids"] for q, p in conn.executed
-            if q in (Q["outbox_delete_published"], Q["outbox_delete_and_fetch"]) and p["ids"]]
+    return [[int(i) for i in p["ids"].strip("{}").split(",")] for q, p in conn.executed
+            if q in (Q["outbox_delete_published"], Q["outbox_delete_and_fetch"])
+            and p["ids"] != "{}"]
 
 
 def test_rows_are_sent_in_order_then_deleted() -> None:
@@ -118,3 +119,18 @@ def test_delivered_rows_are_deleted_when_another_failed_retriably() -> None:
     with pytest.raises(DeliveryFailed):
         _relay(producer).publish_batch(conn)  # type: ignore[arg-type]
     assert _deleted(conn) == [[2]]
+
+
+def test_relay_topic_wait_default_and_kafka_extra_wins() -> None:
+    """The relay's producers wait 3 s (not librdkafka's 30 s) for a topic the broker does not
+    know, unless JOBSTREAM_KAFKA_EXTRA sets it (the missing-topic probes pass their own)."""
+    s = Settings(kafka_bootstrap_servers="127.0.0.1:1")
+    assert relay_topic_wait(s) == {"topic.metadata.propagation.max.ms": 3000}
+    s = Settings(kafka_bootstrap_servers="127.0.0.1:1",
+                 kafka_extra={"topic.metadata.propagation.max.ms": 500})
+    assert relay_topic_wait(s) == {}
+
+
+def test_id_array_is_a_postgres_array_literal() -> None:
+    assert id_array([]) == "{}"
+    assert id_array([3, 1, 2**62]) == f"{{3,1,{2**62}}}"

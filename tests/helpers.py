@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -266,17 +267,37 @@ def text_uploaded(key: str, text: str, *, sha256: str | None = None,
                             payload=DocumentUploadedPayload(document=doc))
 
 
-def job_ready(name: str, *, charge_usd: float = 0.5) -> Any:
+def job_ready(name: str, *, charge_usd: float = 0.5, blob_chars: int = 0) -> Any:
     """A well-formed ``job.ready`` of tenant ``acme`` with a fresh job id and dedup key
-    (``name`` is its idempotency key, title and filename)."""
+    (``name`` is its idempotency key, title and filename). ``blob_chars`` > 0: the result's
+    ``fields`` hold ``{"blob": "x" * blob_chars}``, so the value is about that many bytes."""
     from schemas.events import DocumentAnalysis, JobReady, JobReadyPayload
     return JobReady(
         tenant_id="acme", idempotency_key=name, job_id=uuid.uuid4(),
         dedup_key=uuid.uuid4().hex * 2,
         payload=JobReadyPayload(
             result=DocumentAnalysis(title=name, summary="s", keywords=["a"], word_count=1,
-                                    chunk_count=1, fields={}),
+                                    chunk_count=1,
+                                    fields={"blob": "x" * blob_chars} if blob_chars else {}),
             document_sha256="a" * 64, filename=name, cost_usd=0.0, charge_usd=charge_usd))
+
+
+def run_until_handled(consumer: Any, handled: int, timeout_s: float = 60.0) -> None:
+    """Run an :class:`~consumers.idempotent.IdempotentConsumer` in a thread until its stats
+    count ``handled`` messages (applied + duplicates + dead-lettered) within ``timeout_s``
+    seconds, give it 0.5 s to store the last batch's offsets, then stop it and join it.
+    Raises ``AssertionError`` (timeout, or the thread still alive 30 s after the stop)."""
+    t = threading.Thread(target=consumer.run, daemon=True)
+    t.start()
+    st = consumer.stats
+    try:
+        wait_for(lambda: st.applied + st.duplicates + st.dead_lettered >= handled, timeout_s,
+                 f"{handled} messages handled (stats {st})")
+        time.sleep(0.5)  # the offsets of the last batch are stored right after the stats
+    finally:
+        consumer.stop()
+        t.join(30)
+    assert not t.is_alive()
 
 
 @contextmanager

@@ -18,16 +18,16 @@ import collections
 import os
 import signal
 import time
-import uuid
 from typing import Any
 
 import pytest
 
 from jobstream.kafka import group_lag
 from jobstream.settings import Settings
-from schemas.events import DocumentAnalysis, JobReady, JobReadyPayload, encode_event
+from schemas.events import JobReady, encode_event
 from tests.helpers import (
     ProcessRunner,
+    job_ready,
     processed_rows,
     query,
     read_topic,
@@ -43,13 +43,7 @@ PARTITIONS = 3
 
 def _ready(name: str, blob_chars: int) -> JobReady:
     """A ``job.ready`` of about ``blob_chars`` bytes (the result's ``fields``)."""
-    return JobReady(
-        tenant_id="acme", idempotency_key=name, job_id=uuid.uuid4(),
-        dedup_key=uuid.uuid4().hex * 2,
-        payload=JobReadyPayload(
-            result=DocumentAnalysis(title=name, summary="s", keywords=["a"], word_count=1,
-                                    chunk_count=1, fields={"blob": "x" * blob_chars}),
-            document_sha256="a" * 64, filename=name, cost_usd=0.0, charge_usd=0.01))
+    return job_ready(name, charge_usd=0.01, blob_chars=blob_chars)
 
 
 def _produce(settings: Settings, topic: str, parts: list[tuple[int, bytes, bytes]],

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
+from typing import Any
 
 import psycopg
 import pytest
@@ -43,6 +44,19 @@ def _unpublished(url: str) -> int:
     return int(query(url, "SELECT count(*) AS n FROM outbox WHERE published_at IS NULL")[0]["n"])
 
 
+def _create_and_expect_delivered(settings: Settings, procs: ProcessRunner, relay: Any,
+                                 late: str, good: str) -> None:
+    """Create ``late`` (the held row's topic) and expect the held row ``l-0`` delivered to it
+    once, ``good``'s rows ``g-0``/``g-1`` there, nothing parked and the relay alive."""
+    url = settings.database_url
+    admin = AdminClient(base_config(settings))
+    admin.create_topics([NewTopic(late, num_partitions=1, replication_factor=1)])[late].result(30)
+    wait_for(lambda: _unpublished(url) == 0, 60, "the row delivered once its topic exists",
+             procs.logs)
+    assert [m.key() for m in read_topic(settings, late)] == [b"l-0"]
+    assert sorted(m.key() for m in read_topic(settings, good)) == [b"g-0", b"g-1"]
+    assert not query(url, "SELECT 1 FROM dead_letter") and relay.popen.poll() is None
+
 def test_a_row_for_a_topic_created_late_waits_within_the_grace_and_is_delivered_once(
         settings: Settings, procs: ProcessRunner) -> None:
     url, good, late = (settings.database_url, settings.topic("job.failed"),
@@ -55,13 +69,7 @@ def test_a_row_for_a_topic_created_late_waits_within_the_grace_and_is_delivered_
     assert not query(url, "SELECT 1 FROM dead_letter"), "parked within the grace"
     assert [r["kafka_key"] for r in query(
         url, "SELECT kafka_key FROM outbox WHERE published_at IS NULL")] == ["l-0"]
-    admin = AdminClient(base_config(settings))
-    admin.create_topics([NewTopic(late, num_partitions=1, replication_factor=1)])[late].result(30)
-    wait_for(lambda: _unpublished(url) == 0, 60, "the row delivered once its topic exists",
-             procs.logs)
-    assert [m.key() for m in read_topic(settings, late)] == [b"l-0"]
-    assert sorted(m.key() for m in read_topic(settings, good)) == [b"g-0", b"g-1"]
-    assert not query(url, "SELECT 1 FROM dead_letter") and relay.popen.poll() is None
+    _create_and_expect_delivered(settings, procs, relay, late, good)
 
 
 @pytest.mark.parametrize("limit", ["producer", "narrow"])
@@ -135,10 +143,4 @@ def test_the_first_row_to_a_missing_topic_is_held_within_the_relays_short_metada
     wait_for(lambda: [r["kafka_key"] for r in query(
         url, "SELECT kafka_key FROM outbox WHERE published_at IS NULL")] == ["l-0"], 20,
         "the other topic's rows published", procs.logs)
-    admin = AdminClient(base_config(settings))
-    admin.create_topics([NewTopic(late, num_partitions=1, replication_factor=1)])[late].result(30)
-    wait_for(lambda: _unpublished(url) == 0, 60, "the row delivered once its topic exists",
-             procs.logs)
-    assert [m.key() for m in read_topic(settings, late)] == [b"l-0"]
-    assert sorted(m.key() for m in read_topic(settings, good)) == [b"g-0", b"g-1"]
-    assert not query(url, "SELECT 1 FROM dead_letter") and relay.popen.poll() is None
+    _create_and_expect_delivered(settings, procs, relay, late, good)

@@ -5,16 +5,13 @@ nothing is lost, doubled or held back behind it."""
 
 from __future__ import annotations
 
-import threading
-import uuid
-
 import pytest
 
 from jobstream.producer import produce_raw
 from jobstream.ready_applier import build
 from jobstream.settings import Settings
-from schemas.events import DocumentAnalysis, JobReady, JobReadyPayload, encode_event
-from tests.helpers import processed_rows, query, read_topic, wait_for
+from schemas.events import JobReady, encode_event
+from tests.helpers import job_ready, processed_rows, query, read_topic, run_until_handled
 
 pytestmark = pytest.mark.integration
 
@@ -23,13 +20,7 @@ CAP_BYTES = 300_000
 
 def _ready(name: str, blob_chars: int) -> JobReady:
     """A ``job.ready`` whose value is about ``blob_chars`` bytes (the result's ``fields``)."""
-    return JobReady(
-        tenant_id="acme", idempotency_key=name, job_id=uuid.uuid4(),
-        dedup_key=uuid.uuid4().hex * 2,
-        payload=JobReadyPayload(
-            result=DocumentAnalysis(title=name, summary="s", keywords=["a"], word_count=1,
-                                    chunk_count=1, fields={"blob": "x" * blob_chars}),
-            document_sha256="a" * 64, filename=name, cost_usd=0.0, charge_usd=0.01))
+    return job_ready(name, charge_usd=0.01, blob_chars=blob_chars)
 
 
 def test_batches_stay_under_the_byte_cap_and_a_bigger_message_is_applied_alone(
@@ -50,16 +41,7 @@ def test_batches_stay_under_the_byte_cap_and_a_bigger_message_is_applied_alone(
 
     consumer = build(settings.model_copy(update={"consumer_batch_max_bytes": CAP_BYTES}))
     assert consumer.settings.batch_max_bytes == CAP_BYTES
-    t = threading.Thread(target=consumer.run, daemon=True)
-    t.start()
-    try:
-        st = consumer.stats
-        wait_for(lambda: st.applied + st.duplicates + st.dead_lettered >= len(events), 60,
-                 f"{len(events)} messages handled (stats {st})")
-    finally:
-        consumer.stop()
-        t.join(30)
-    assert not t.is_alive()
+    run_until_handled(consumer, len(events))
 
     rows = query(settings.database_url,
                  "SELECT filename, xmin::text AS tx, length(fields->>'blob') AS blob "

@@ -13,13 +13,19 @@ from typing import Any
 import psycopg
 import pytest
 
-from consumers.idempotent import IdempotentConsumer
 from jobstream.errors import PoisonMessage
 from jobstream.producer import produce_raw, submit_producer
 from jobstream.ready_applier import apply_ready, apply_ready_batch, build, idempotent_consumer
 from jobstream.settings import Settings
 from schemas.events import DocumentAnalysis, JobReady, JobReadyPayload, encode_event
-from tests.helpers import ProcessRunner, processed_rows, query, read_topic, wait_for
+from tests.helpers import (
+    ProcessRunner,
+    processed_rows,
+    query,
+    read_topic,
+    run_until_handled,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -52,17 +58,6 @@ def _applied(settings: Settings, tenant: str) -> dict[str, int]:
     return out
 
 
-def _run_until(consumer: IdempotentConsumer, handled: int, timeout_s: float = 60) -> None:
-    t = threading.Thread(target=consumer.run, daemon=True)
-    t.start()
-    st = consumer.stats
-    wait_for(lambda: st.applied + st.duplicates + st.dead_lettered >= handled, timeout_s,
-             f"{handled} messages handled (stats {st})")
-    time.sleep(0.5)
-    consumer.stop()
-    t.join(30)
-
-
 def test_a_batch_applies_each_event_once_and_dead_letters_poison(settings: Settings) -> None:
     a, b, c = (_ready("acme", n) for n in ("a", "b", "c"))
     _produce(settings, [a, b, a, b"not json", c, b, a])
@@ -70,7 +65,7 @@ def test_a_batch_applies_each_event_once_and_dead_letters_poison(settings: Setti
     sizes: list[int] = []
     batch = consumer.process_batch
     consumer.process_batch = lambda msgs: (sizes.append(len(msgs)), batch(msgs))[1]  # type: ignore[method-assign]
-    _run_until(consumer, 7)
+    run_until_handled(consumer, 7)
     assert max(sizes) > 1, f"no batch was formed: {sizes}"
     assert _applied(settings, "acme") == {"a": 1, "b": 1, "c": 1}
     assert (consumer.stats.applied, consumer.stats.duplicates,
@@ -115,7 +110,7 @@ def test_copy_batches_with_duplicates_and_poison_mid_batch_apply_each_event_once
     batch = consumer.process_batch
     consumer.process_batch = lambda msgs: (sizes.append(len(msgs)), batch(msgs))[1]  # type: ignore[method-assign]
     with caplog.at_level(logging.INFO, logger="consumers.idempotent"):
-        _run_until(consumer, len(first))
+        run_until_handled(consumer, len(first))
     assert max(sizes) > 8, f"no batch large enough to be split was formed: {sizes}"
     assert "applying it as two batches" in caplog.text, (sizes, caplog.text)
     expected = {f"e{i}": 1 for i in range(30)}
@@ -130,7 +125,7 @@ def test_copy_batches_with_duplicates_and_poison_mid_batch_apply_each_event_once
     late = _ready("acme", "late")
     _produce(settings, [events[3], late, events[20], events[3]])
     again = build(settings)
-    _run_until(again, 4)
+    run_until_handled(again, 4)
     assert (again.stats.applied, again.stats.duplicates) == (1, 3)
     assert _applied(settings, "acme") == {**expected, "late": 1}
     assert processed_rows(settings.database_url) == (31, 2)  # and 2 dead-lettered positions
@@ -155,7 +150,7 @@ def test_a_refused_event_rolls_back_the_batch_and_costs_only_itself(
         settings, group=settings.group("test-refuse"), topics=[settings.topic("job.ready")],
         event_types=("job.ready",), handler=handler,
         batch_handler=batch_handler if batched_handler else None)
-    _run_until(consumer, 5)
+    run_until_handled(consumer, 5)
     assert _applied(settings, "acme") == {"a": 1, "b": 1, "c": 1}
     assert consumer.stats.dead_lettered == 1
     dlq = read_topic(settings, settings.topic("job.ready.dlq"))

@@ -6,21 +6,18 @@ before is still found by the claim and by ``record_processed``, and a redrive's
 
 from __future__ import annotations
 
-import threading
-import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
 from consumers.ddl import key_digest
-from consumers.idempotent import IdempotentConsumer
 from jobstream.db import QUERIES, connect, migrate
 from jobstream.producer import produce_raw
 from jobstream.ready_applier import build
 from jobstream.settings import Settings
 from schemas.events import encode_event
-from tests.helpers import database_before, job_ready, query, wait_for
+from tests.helpers import database_before, job_ready, query, run_until_handled
 
 pytestmark = pytest.mark.integration
 
@@ -30,20 +27,6 @@ def old_db(endpoints) -> Iterator[str]:  # type: ignore[no-untyped-def]
     """An empty database migrated only up to 0025 (the release before migration 0026)."""
     with database_before(endpoints.database_url, 26) as url:
         yield url
-
-
-def _run_until(consumer: IdempotentConsumer, handled: int) -> None:
-    t = threading.Thread(target=consumer.run, daemon=True)
-    t.start()
-    st = consumer.stats
-    try:
-        wait_for(lambda: st.applied + st.duplicates + st.dead_lettered >= handled, 60,
-                 f"{handled} messages handled (stats {st})")
-        time.sleep(0.5)  # the offsets of the last batch are stored right after the stats
-    finally:
-        consumer.stop()
-        t.join(30)
-    assert not t.is_alive()
 
 
 def _has_key_digest(url: str) -> bool:
@@ -59,7 +42,7 @@ def test_an_event_applied_before_the_upgrade_is_a_duplicate_after_it(
     topic = s.topic("job.ready")
     produce_raw(s, topic, [(b"k", encode_event(a))])
     first = build(s)
-    _run_until(first, 1)
+    run_until_handled(first, 1)
     assert (first.stats.applied, first.stats.duplicates) == (1, 0)
     assert not _has_key_digest(old_db)  # applied through the first shape
 
@@ -73,7 +56,7 @@ def test_an_event_applied_before_the_upgrade_is_a_duplicate_after_it(
 
     produce_raw(s, topic, [(b"k", encode_event(e)) for e in (a, b, a)])  # re-delivered
     second = build(s)  # same group: reads the three new messages
-    _run_until(second, 3)
+    run_until_handled(second, 3)
     assert (second.stats.applied, second.stats.duplicates) == (1, 2)
     applied = query(old_db, "SELECT filename, count(*) AS n FROM downstream.document_analysis"
                             " GROUP BY filename ORDER BY filename")

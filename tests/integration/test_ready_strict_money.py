@@ -5,7 +5,6 @@ charged as 1.0, 1.5 or infinity; its neighbours are applied once."""
 
 from __future__ import annotations
 
-import threading
 import uuid
 
 import pytest
@@ -21,7 +20,7 @@ from schemas.events import (
     decode_event,
     encode_event,
 )
-from tests.helpers import query, read_topic, wait_for
+from tests.helpers import query, read_topic, run_until_handled
 
 pytestmark = pytest.mark.integration
 
@@ -60,15 +59,7 @@ def test_lax_charges_are_dead_lettered_with_a_reason_by_the_ready_applier(
         values += [_hostile(name, value), _ready(f"ok-after-{name}")]
     produce_raw(settings, settings.topic("job.ready"), [(b"k", v) for v in values])
     consumer = build(settings)
-    t = threading.Thread(target=consumer.run, daemon=True)
-    t.start()
-    try:
-        st = consumer.stats
-        wait_for(lambda: st.applied + st.duplicates + st.dead_lettered >= len(values), 60,
-                 f"{len(values)} messages handled (stats {st})")
-    finally:
-        consumer.stop()
-        t.join(30)
+    run_until_handled(consumer, len(values))
     assert (consumer.stats.applied, consumer.stats.dead_lettered) == (4, 3), consumer.stats
     charges = query(settings.database_url,
                     "SELECT amount_usd::text AS usd, count(*) AS n FROM downstream.ledger_charge "

@@ -719,6 +719,9 @@ up_connect() {
   ensure_connect_libs
   write_connect_config
   log "connect: starting worker (group $CONNECT_GROUP, REST $CONNECT_URL, logs $CONNECT_LOGS/connect.log)"
+  # The start timeout is the JVM's: a first run's jar download (~90 s at load) used to count
+  # against it, and the Debezium module's fixture failed in a fresh clone (as kafka's t0 above).
+  t0=$(now)
   start_connect_process
   pid=$(<"$CONNECT_PID")
   wait_for_connect "$pid" "$t0"

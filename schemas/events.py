@@ -400,7 +400,13 @@ def _decode(raw: bytes, expected: str | tuple[str, ...] | None,
     """:func:`decode_event` after its bounds; ``scan_depth``: the depth limit still to check
     when validation fails (None: checked already)."""
     wanted = (expected,) if isinstance(expected, str) else expected
-    try:  # fast path: parse and validate in one pass (pydantic-core), no Python dict between
+    if wanted is not None and "job.ready" in wanted:
+        # The compiled fast path (msgspec, schemas/fastpath.py): it accepts only what the
+        # models below accept, with the same values; anything else goes on to pydantic.
+        ready = _fastpath.decode_job_ready(raw)
+        if ready is not None:
+            return ready
+    try:  # pydantic: parse and validate in one pass (pydantic-core), no Python dict between
         event = _ADAPTER.validate_json(raw)
     except ValidationError:
         pass  # the path below says what is wrong with it
@@ -429,3 +435,8 @@ def _decode(raw: bytes, expected: str | tuple[str, ...] | None,
             f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors()[:5]
         )
         raise PoisonMessage(f"schema violation: {errors}", code="schema_violation") from None
+
+
+# Last: schemas.fastpath imports this module's models (a module, not a name, so importing
+# schemas.fastpath first works too).
+from schemas import fastpath as _fastpath  # noqa: E402

@@ -378,7 +378,9 @@ def decode_event(raw: bytes | str | None, expected: str | tuple[str, ...] | None
     scan_first = VALID_EVENT_DEPTH is None or max_depth < VALID_EVENT_DEPTH
     if scan_first and json_depth_exceeds(raw, max_depth):
         raise PoisonMessage(f"JSON nested deeper than {max_depth} levels", code="json_too_deep")
-    if b"\\u0000" in raw and _JSON_NUL.search(raw):  # a substring test first: 1 us, not 27
+    # Cheapest test first: one byte (memchr, ~0.05 us; most events have no escape at all),
+    # then the 6-byte substring (~1 us per 1.3 KB), then the regex (~27 us).
+    if b"\\" in raw and b"\\u0000" in raw and _JSON_NUL.search(raw):
         if not scan_first and json_depth_exceeds(raw, max_depth):  # the same reason as before
             raise PoisonMessage(f"JSON nested deeper than {max_depth} levels",
                                 code="json_too_deep")

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
 from schemas import fastpath
+from schemas.errors import PoisonMessage
 from schemas.events import (
     _ADAPTER,
     DocumentAnalysis,
@@ -319,3 +320,18 @@ PATTERNS = {
     ("JobReadyPayload", "document_sha256"): r"^[0-9a-f]{64}$",
     ("JobReadyPayload", "filename"): r"^[^\x00-\x1f\x7f-\x9f]*$",
 }
+
+
+@pytest.mark.parametrize(
+    "path", [("payload", "result", "title"), ("payload", "result", "fields"), ("request_id",)]
+)
+def test_a_nul_escape_is_refused_before_the_fast_path(path: tuple[str, ...]) -> None:
+    """The fast path (like pydantic) would take U+0000 in a title; decode_event refuses it
+    first (Postgres text cannot store it), whatever the field."""
+    doc = _ready()
+    _set(doc, path, {"k": "a\u0000b"} if path[-1] == "fields" else "a\u0000b")
+    raw = json.dumps(doc).encode()
+    assert b"\\u0000" in raw
+    with pytest.raises(PoisonMessage) as caught:
+        decode_event(raw, "job.ready")
+    assert caught.value.code == "schema_violation"

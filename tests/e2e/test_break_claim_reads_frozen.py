@@ -18,11 +18,13 @@ waits; the lock is released, the claim runs and its answer blocks. A live worker
 the partitions over (the frozen one's Kafka session times out) and must decide the extract
 stage while the other stays frozen. Real processes, shared services.
 
-BROKEN on main (e0e52a3): the frozen session stays ``active``/``ClientWrite`` and the live
-worker's claim waits for the row lock for as long as the other process is stopped (seen for
-120 s, 2 runs of 2). Not new with 0036: before it, the same transaction read the document with
-a separate ``get_document`` statement under the same lock. Marked ``xfail(strict=True)``: a
-fix makes it pass, and strict turns that into a failure until the mark is removed.
+BROKE on main (e0e52a3): the frozen session stayed ``active``/``ClientWrite`` and the live
+worker's claim waited for the row lock for as long as the other process was stopped (60 s
+asserted, 3 runs of 3). Not new with 0036: before it, the same transaction read the document
+with a separate ``get_document`` statement under the same lock. Fixed (breaker10): the claim
+statement also sets ``tcp_user_timeout`` to the idle limit (``claim_job_and_stage``), so
+Postgres ends a session whose answer stays unacknowledged that long. The 20 kB document is
+the control: its answer fits the socket buffers, the idle limit ends the frozen session.
 """
 
 from __future__ import annotations
@@ -41,10 +43,6 @@ from tests.helpers import ProcessRunner, query, stopped, text_uploaded, wait_for
 pytestmark = pytest.mark.e2e
 
 SENTENCE = "Lanterns and kettles on the harbour wall, sentence after sentence. "
-BROKEN = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="breaker10: a worker frozen while its claim's answer (the document) is being sent "
-           "holds the job row lock (ClientWrite, no idle limit); reported to the lead")
 ENV = {"JOBSTREAM_LEASE_S": "4", "JOBSTREAM_SWEEP_GRACE_S": "1"}
 
 
@@ -65,7 +63,7 @@ def _extract(url: str) -> dict[str, object]:
     # transaction and the idle limit (= lease) ends it: the probe's mechanics can pass
     20_000,
     # just under max_inline_document_bytes (5 MiB): more than loopback buffers hold
-    pytest.param(4_900_000, marks=BROKEN)])
+    4_900_000])
 def test_a_worker_frozen_while_its_claim_sends_the_document_does_not_hold_the_job(
         settings: Settings, procs: ProcessRunner, size: int) -> None:
     url = settings.database_url

@@ -13,10 +13,11 @@ every row ends with one ``outbox_published`` record.
 
 Breaker10 (``big-rows``): the same with rows of 60 kB, so the read-ahead's answer (100 rows,
 6 MB) is more than the loopback socket buffers hold: the frozen relay's backend is left
-``active`` in ``ClientWrite`` (sending an answer nobody reads), where no idle timeout applies
-either, nor ``statement_timeout``. BROKEN on main (e0e52a3): the standby never gets the lock
-while the relay is frozen. ``xfail(strict=True)``: a fix makes it pass and strict makes that
-a failure until the mark is removed.
+``active`` in ``ClientWrite`` (sending an answer nobody reads), where no idle timeout applies,
+nor ``statement_timeout``. BROKE on main (e0e52a3): the standby never got the lock while the
+relay was frozen (2 runs of 2). Fixed: the lock session also sets ``tcp_user_timeout``
+(``relay_lock_session_timeout``), so Postgres ends it once its answer stays unacknowledged
+for ``relay_lock_timeout_s``.
 """
 
 from __future__ import annotations
@@ -38,10 +39,6 @@ from tests.helpers import (
 pytestmark = pytest.mark.e2e
 
 KEYS = [f"job-{i}" for i in range(4)]
-BIG_ROWS = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="breaker10: a relay frozen while Postgres sends its read-ahead's big answer keeps "
-           "the relay lock (ClientWrite, no idle limit); reported to the lead")
 
 
 def _sessions(url: str) -> str:
@@ -53,7 +50,7 @@ def _sessions(url: str) -> str:
 
 @pytest.mark.parametrize(("N", "pad_bytes"), [
     pytest.param(500, 0, id="small-rows"),  # rows per key: 20 batches of 100
-    pytest.param(100, 60_000, id="big-rows", marks=BIG_ROWS)])  # 4 batches of 6 MB
+    pytest.param(100, 60_000, id="big-rows")])  # 4 batches of 6 MB
 def test_a_relay_frozen_with_its_read_ahead_sent_hands_over_to_the_standby(
         settings: Settings, procs: ProcessRunner, N: int, pad_bytes: int) -> None:
     url, topic = settings.database_url, settings.topic("job.failed")

@@ -781,7 +781,10 @@ class Store:
         The transaction may stay idle at most ``lease_s`` seconds
         (``idle_in_transaction_session_timeout``, set locally): a process paused longer loses
         its session, the claim rolls back and the row lock is released, so a frozen worker
-        never holds a job (psycopg then raises ``OperationalError``, handled as a crash).
+        never holds a job (psycopg then raises ``OperationalError``, handled as a crash). The
+        same limit bounds a pause before the claim's answer was read (the document: more than
+        the socket buffers hold, the session is ``active``/``ClientWrite``, no idle limit):
+        ``tcp_user_timeout`` (Linux), set by the claim's statement too (breaker10).
         """
         try:
             with self.tx() as conn:

@@ -4,17 +4,17 @@ A :class:`streams.runner.GroupCommit` and the intake's :class:`streams.intake.In
 run their batches one at a time off the event loop (psycopg blocks). ``asyncio.to_thread`` /
 ``loop.run_in_executor`` cost ~31 us of CPU per call (a copied context, a work item, the
 executor's locks and idle-thread semaphore, a ``concurrent.futures.Future`` chained to an
-asyncio one by two callbacks) and showed as ~4-5 % of a worker's samples under
-``bench.pipeline`` (``ThreadPoolExecutor.submit``, bench/README.md "Stage workers,
-perf-worker8"). :class:`BatchThread` is the same hand-off with one long-lived thread, a queue
-and one ``call_soon_threadsafe`` per batch (~14 us).
+asyncio one by two callbacks; bench/README.md "Stage workers, perf-worker8").
+:class:`BatchThread` is the same hand-off with one long-lived thread, a queue and one
+``call_soon_threadsafe`` per batch (~14 us).
 
 Semantics kept from ``loop.run_in_executor`` on a one-thread pool: batches run one at a time,
 in the order handed over, in the thread's own ``contextvars`` context (a caller that wants
 ``asyncio.to_thread``'s copy of its own passes ``contextvars.copy_context().run``); the
-awaiting task gets the function's value or its
-exception; cancelling the awaiting task does not stop a batch already running (it finishes and
-its result is dropped, as with an executor). The thread is a daemon: a process that exits
+awaiting task gets the function's value or its exception; cancelling the awaiting task does
+not stop a batch already running (it finishes and its result is dropped, as with an
+executor). The thread, once started, lives as long as the process (one per agent, as the
+intake batcher's one-thread pool did); it is a daemon: a process that exits
 while a batch runs does not wait for it (its transaction is rolled back when the connection
 closes, its events are redelivered: the same as a kill, which every stage run already
 survives).

@@ -552,9 +552,16 @@ class OutboxRelay:
                 self._old_gaps.discard(i)
                 continue
             if i > prev + 1:
-                if len(gaps) + i - prev - 1 > MAX_GAPS:
+                if len(gaps) + i - prev - 1 > MAX_GAPS or (
+                        after == 0 and i - prev - 1 > MAX_GAP_PROBES):
                     # Too many to track: restart above the last id read (the range from the
-                    # floor is read until the floor passes it).
+                    # floor is read until the floor passes it). So too on a session's first
+                    # look (nothing fetched yet) when more ids lie below its first row than
+                    # the looks would probe: they are the rows earlier sessions published and
+                    # deleted (and any transaction still open), which the looks read as a range
+                    # anyway, so tracking each one only cost the looks of the next
+                    # relay_late_commit_s a pass over up to MAX_GAPS of them in Python (the
+                    # latency runs' profile, bench/README.md, eighth pass).
                     gaps.clear()
                     self._old_gaps.clear()
                     self._gap_base = rows[-1][0]

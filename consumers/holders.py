@@ -121,6 +121,12 @@ class FrozenHolderWatch:
                 continue
             try:
                 self.check()
+            except psycopg.errors.InsufficientPrivilege as exc:  # said once per round
+                log.warning(
+                    "cannot end a frozen holder's session (grant the consumers' "
+                    "role pg_signal_backend, or use one role): %s",
+                    exc,
+                )
             except Exception as exc:  # noqa: BLE001 - a watcher must not die: next round
                 log.debug("frozen-holder check failed: %s", exc)
                 if self._conn is not None:
@@ -128,7 +134,7 @@ class FrozenHolderWatch:
                         self._conn.close()
                     self._conn = None
 
-    def members_tokens(self) -> set[str] | None:
+    def member_client_ids(self) -> set[str] | None:
         """The client.id of every current member of the group, None when the coordinator
         did not answer within 5 s."""
         from confluent_kafka.admin import AdminClient
@@ -156,7 +162,7 @@ class FrozenHolderWatch:
         ).fetchall()
         if not rows:
             return []
-        members = self.members_tokens()
+        members = self.member_client_ids()
         if members is None:
             return []
         ended: list[int] = []

@@ -561,11 +561,14 @@ class IdempotentConsumer:
             return got
         return self._decode_now(msg)
 
-    def _decode_now(self, msg: Message) -> Any:
+    def _decode_now(self, msg: Message, expected: tuple[str, ...] | None = None) -> Any:
+        """:meth:`_decode` without the decode-ahead results; ``expected``: :attr:`event_types`
+        (given by a caller that decodes many messages, so the tuple is built once)."""
         if msg.key() is None:
             raise PoisonMessage("message has no key (jobstream events are keyed by job id)",
                                 code="missing_key")
-        return decode_event(msg.value(), expected=self.event_types,
+        return decode_event(msg.value(),
+                            expected=self.event_types if expected is None else expected,
                             max_bytes=self.settings.max_message_bytes,
                             max_depth=self.settings.max_json_depth)
 
@@ -968,10 +971,11 @@ class IdempotentConsumer:
         prepared: dict[tuple[Any, Any, Any], Any] = {}
         digests: dict[tuple[str, str], bytes] = {}
         prepares = self._prepare
+        expected = self.event_types  # once per batch, not per message
         for m in msgs:
             pos = (m.topic(), m.partition(), m.offset())
             try:
-                event = decoded[pos] = self._decode_now(m)
+                event = decoded[pos] = self._decode_now(m, expected)
             except PoisonMessage as exc:
                 decoded[pos] = exc
                 continue

@@ -397,7 +397,9 @@ def decode_event(raw: bytes | str | None, expected: str | tuple[str, ...] | None
     scan_first = VALID_EVENT_DEPTH is None or max_depth < VALID_EVENT_DEPTH
     if scan_first and json_depth_exceeds(raw, max_depth):
         raise PoisonMessage(f"JSON nested deeper than {max_depth} levels", code="json_too_deep")
-    if b"\\u0000" in raw and _JSON_NUL.search(raw):  # a substring test first: 1 us, not 27
+    # Cheapest test first: one byte (memchr, ~0.05 us; most events have no escape at all),
+    # then the 6-byte substring (~1 us per 1.3 KB), then the regex (~27 us).
+    if b"\\" in raw and b"\\u0000" in raw and _JSON_NUL.search(raw):
         if not scan_first and json_depth_exceeds(raw, max_depth):  # the same reason as before
             raise PoisonMessage(f"JSON nested deeper than {max_depth} levels",
                                 code="json_too_deep")
@@ -419,7 +421,13 @@ def _decode(raw: bytes, expected: str | tuple[str, ...] | None,
     """:func:`decode_event` after its bounds; ``scan_depth``: the depth limit still to check
     when validation fails (None: checked already)."""
     wanted = (expected,) if isinstance(expected, str) else expected
-    try:  # fast path: parse and validate in one pass (pydantic-core), no Python dict between
+    if wanted is not None and "job.ready" in wanted:
+        # The compiled fast path (msgspec, schemas/fastpath.py): it accepts only what the
+        # models below accept, with the same values; anything else goes on to pydantic.
+        ready = _fastpath.decode_job_ready(raw)
+        if ready is not None:
+            return ready
+    try:  # pydantic: parse and validate in one pass (pydantic-core), no Python dict between
         event = _ADAPTER.validate_json(raw)
     except ValidationError:
         pass  # the path below says what is wrong with it
@@ -448,3 +456,8 @@ def _decode(raw: bytes, expected: str | tuple[str, ...] | None,
             f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors()[:5]
         )
         raise PoisonMessage(f"schema violation: {errors}", code="schema_violation") from None
+
+
+# Last: schemas.fastpath imports this module's models (a module, not a name, so importing
+# schemas.fastpath first works too).
+from schemas import fastpath as _fastpath  # noqa: E402

@@ -18,8 +18,11 @@ itself at the point (SIGSTOP, ``<point>=stop``), stays frozen for ``pause_s`` se
 than the lease plus the sweeper's grace, and the Kafka session), then gets SIGCONT: a GC pause,
 a stalled VM. A second worker runs beside the armed one and the sweeper is active with a short
 grace, so the frozen run is fenced by a takeover or by a re-drive, whichever comes first; the
-resumed process must discard its stale work. Invariants as in kill mode, re-driven stages
-allowed.
+resumed process must discard its stale work. A frozen worker gets SIGCONT as soon as the run is
+quiescent (every job terminal and applied, every offset committed: the second worker can only
+get there once the frozen member was evicted from the group and each of its runs fenced),
+``pause_s`` at most: frozen longer, it would resume into the same state. Invariants as in kill
+mode, re-driven stages allowed.
 
 The tests ``tests/e2e/test_crash_matrix.py`` and ``tests/e2e/test_pause.py`` run
 :func:`run_point` per point on the test's database; the command runs :func:`run_matrix`,
@@ -164,6 +167,7 @@ class PointResult:
     killed_rc: int | None = None
     mode: str = "kill"
     paused: bool = False
+    frozen_s: float = 0.0
     seconds: float = 0.0
     violations: list[str] = field(default_factory=list)
     effects: dict[str, int] = field(default_factory=dict)
@@ -180,7 +184,7 @@ class PointResult:
     def report(self, *, tails: bool = False) -> str:
         """A few lines for humans; with ``tails`` (assertion messages) the end of every
         process log of a failed run too."""
-        how = (f"paused={self.paused}" if self.mode == "pause"
+        how = (f"paused={self.paused} frozen {self.frozen_s:.1f}s" if self.mode == "pause"
                else f"killed rc={self.killed_rc}")
         head = (f"{self.fault} ({self.owner}, {self.mode}): {'PASS' if self.ok else 'FAIL'} in "
                 f"{self.seconds:.0f}s, {how}, effects={self.effects}")
@@ -450,8 +454,9 @@ def run_point(base: Settings, fault: str, *, jobs: int, logdir: Path,
     docstring); returns what happened, never raises for an invariant violation.
 
     ``mode``: ``kill`` (SIGKILL at the point, restart) or ``pause`` (SIGSTOP there for
-    ``pause_s`` seconds, default lease + sweep grace + Kafka session + 3 s, then SIGCONT).
-    Raises ``ValueError`` for another mode.
+    ``pause_s`` seconds, default lease + sweep grace + Kafka session + 3 s, then SIGCONT; a
+    frozen worker only until the second worker has finished every job, ``pause_s`` at most:
+    see the module docstring). Raises ``ValueError`` for another mode.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
@@ -500,12 +505,19 @@ def run_point(base: Settings, fault: str, *, jobs: int, logdir: Path,
                                              "not paused")
                     return result
                 result.paused = True
-                if owner == "worker":  # a second worker takes over the frozen one's work
-                    runner.launch("worker")
                 wait = pause_s if pause_s is not None else (
                     settings.lease_s + settings.sweep_grace_s
                     + settings.consumer_session_timeout_ms / 1000 + 3)
-                time.sleep(wait)
+                frozen_at = time.monotonic()
+                if owner == "worker":  # a second worker takes over the frozen one's work
+                    runner.launch("worker")
+                    # Frozen until that worker has finished every job (quiescent: which needs
+                    # the frozen member evicted from the group and its runs fenced), ``wait``
+                    # at most: later, the resumed worker would find the same world.
+                    _wait(lambda: quiescent(settings, tenant, jobs), wait)
+                else:  # nobody takes a relay's or an applier's work over: a fixed freeze
+                    time.sleep(wait)
+                result.frozen_s = time.monotonic() - frozen_at
                 os.kill(armed.popen.pid, signal.SIGCONT)
                 expect_dead: list[Proc] = []
             else:

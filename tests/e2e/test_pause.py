@@ -300,8 +300,9 @@ def test_a_killed_runs_attempt_is_closed_abandoned(rig: Rig) -> None:
 
 
 def _pause_s(s: Settings, fault: str) -> float | None:
-    """How long a point stays frozen: a worker's the drill's default (lease + sweep grace +
-    Kafka session + 3 s: its stage is taken over or re-driven meanwhile). The relay and the
+    """How long a point stays frozen: a worker's the drill's default (until the second worker
+    has finished every job, lease + sweep grace + Kafka session + 3 s at most: its stage is
+    taken over or re-driven meanwhile). The relay and the
     downstream applier hold no stage lease and the sweeper runs in the (frozen) relay, so for
     them lease and grace bound nothing: frozen past the Kafka session timeout + 3 s (the
     applier is evicted from its group and must rejoin; the relay's producer and lock session
@@ -316,8 +317,8 @@ def pause_matrix(request: pytest.FixtureRequest, isolated_settings: Any,
                  tmp_path_factory: pytest.TempPathFactory,
                  points_pool: ThreadPoolExecutor) -> Iterator[dict[str, Any]]:
     """The selected points of the pause matrix, in :func:`points_pool` after the paused-worker
-    cases (a worker point frozen ~17 s: lease + sweep grace + session + 3 s, so the freezes
-    overlap), each on its own database, topic
+    cases (a worker point frozen until the second worker finished its jobs, 17 s at most:
+    lease + sweep grace + session + 3 s; the freezes overlap), each on its own database, topic
     prefix, fake provider and processes, exactly as one test of its own would run it:
     ``{fault: Future[PointResult]}``."""
     def run(fault: str) -> chaos.PointResult:

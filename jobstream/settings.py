@@ -326,7 +326,8 @@ class Settings(BaseSettings):
     relay_lock_timeout_s: float = Field(
         120.0, ge=3, description="Relay: Postgres ends the active relay's lock session after "
                                  "this long without a statement (idle_session_timeout; the "
-                                 "relay runs one at least every third of it), so a relay "
+                                 "relay runs one at least every third of it) or with an "
+                                 "answer left unread (tcp_user_timeout, Linux), so a relay "
                                  "frozen (SIGSTOP, VM pause) longer loses its lock and a "
                                  "standby takes over (seconds; keep it above the 60 s a "
                                  "delivery flush may take)."

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,7 @@ from jobstream.textproc import extractor_for
 from schemas.events import DocumentUploaded, JobAccepted, JobAcceptedPayload
 from schemas.pipeline import PIPELINE
 from streams.actions import redrive
+from streams.batchthread import BatchThread
 from streams.context import StageContext, outbox_msg
 
 if TYPE_CHECKING:
@@ -167,7 +168,7 @@ class IntakeBatcher:
         self._pending: list[_Pending] = []
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="intake-batch")
+        self._thread = BatchThread("intake-batch")
 
     async def handle(self, ctx: StageContext, ev: DocumentUploaded) -> IntakeResult:
         """The intake of ``ev`` in the next batch (see the class). Raises what the event's
@@ -212,7 +213,7 @@ class IntakeBatcher:
             if not batch:
                 continue
             try:
-                results = await loop.run_in_executor(self._pool, self._accept, batch)
+                results = await self._thread.run(functools.partial(self._accept, batch))
             except Exception as exc:  # a bug: each event's guard dead-letters it (unhandled)
                 for item in batch:
                     if not item.fut.done():

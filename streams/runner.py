@@ -39,6 +39,7 @@ from jobstream.errors import (
 from jobstream.store import Claim, Done, LeaseHeld, Skip
 from schemas.events import EVENT_MODELS, JobFailed, JobFailedPayload
 from schemas.pipeline import PIPELINE, Stage
+from streams.batchthread import BatchThread
 from streams.context import (
     JobCancelled,
     NeedsReconciliation,
@@ -305,9 +306,10 @@ def run_stage_batch(ctx: StageContext, events: list[Any], *, defer: bool = False
                                          plan.one_transaction_work, **plan.claim_kw)
                 return cv.run(call) if cv else call()
             return run
-        log.info("shared stage transaction: %d events of %s, jobs %s", len(shared),
-                 cast(_Plan, plans[shared[0]]).stage.name,
-                 " ".join(str(items[i][0].job_id) for i in shared))
+        if log.isEnabledFor(logging.INFO):  # the jobs' list only when it is logged
+            log.info("shared stage transaction: %d events of %s, jobs %s", len(shared),
+                     cast(_Plan, plans[shared[0]]).stage.name,
+                     " ".join(str(items[i][0].job_id) for i in shared))
         try:
             got = ctx.store.claim_and_complete_many([step(i) for i in shared],
                                                     lease_s=ctx.settings.lease_s)
@@ -359,6 +361,7 @@ class GroupCommit:
         self._task: asyncio.Task[None] | None = None  # the drain running (a strong reference)
         self._alone: asyncio.Semaphore | None = None
         self._deferred: set[asyncio.Task[None]] = set()  # two-transaction runs (strong refs)
+        self._thread = BatchThread("group-commit")  # the drain's batches, one at a time
 
     async def run(self, ev: Any) -> str:
         """Run ``ev`` (a decoded stage event); returns :func:`run_stage`'s outcome."""
@@ -405,8 +408,9 @@ class GroupCommit:
                 if not batch:
                     continue
                 try:
-                    got = await asyncio.to_thread(run_stage_batch, self.ctx,
-                                                  [(ev, cv) for ev, cv, _ in batch], defer=True)
+                    got = await self._thread.run(functools.partial(  # as to_thread: a copy
+                        contextvars.copy_context().run, run_stage_batch, self.ctx,
+                        [(ev, cv) for ev, cv, _ in batch], defer=True))
                 except Exception as exc:  # noqa: BLE001 - a bug in the batching itself
                     got = [exc] * len(batch)
                 for (ev, cv, fut), res in zip(batch, got, strict=True):

@@ -500,17 +500,20 @@ def assert_one_succeeded_attempt_per_chunk(url: str, job_id: Any) -> list[dict[s
     return chunks
 
 
-def insert_keyed_rows(url: str, topic: str, keys: list[str], n: int) -> None:
+def insert_keyed_rows(url: str, topic: str, keys: list[str], n: int, *,
+                      pad_bytes: int = 0) -> None:
     """Write ``n`` outbox rows per key of ``keys`` for ``topic`` (one transaction), interleaved
     by key, each payload ``{"k": key, "n": i}`` with i = 0..n-1 in id order: the backlog of a
-    relay ordering probe (:func:`first_deliveries` reads it back)."""
+    relay ordering probe (:func:`first_deliveries` reads it back). ``pad_bytes`` > 0: each
+    payload starts with a ``"pad"`` string of that many characters (big rows)."""
     from psycopg.types.json import Jsonb
 
     from jobstream.db import QUERIES
+    pad = f'"pad": "{"p" * pad_bytes}", ' if pad_bytes else ""
     with psycopg.connect(url) as conn, conn.cursor() as cur:
         cur.executemany(QUERIES["outbox_insert"], [
-            (topic, k, f'{{"k": "{k}", "n": {i}}}'.encode(), Jsonb({"key": k}), uuid.uuid4(),
-             "test.row") for i in range(n) for k in keys])
+            (topic, k, f'{{{pad}"k": "{k}", "n": {i}}}'.encode(), Jsonb({"key": k}),
+             uuid.uuid4(), "test.row") for i in range(n) for k in keys])
 
 
 def first_deliveries(settings: Settings, topic: str) -> dict[str, list[int]]:

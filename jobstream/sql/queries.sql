@@ -577,6 +577,11 @@ answered AS (
 -- (%(reads)s: its READS, text[], '{}' for none) as r_document, r_previous_output, r_chunks and
 -- r_budget, read by the VOLATILE stage_claim_reads (migration 0036) after the job row is
 -- locked, with a fresh snapshot (was one statement per read).
+-- breaker10: with %(idle_ms)s it also sets tcp_user_timeout (the server's TCP_USER_TIMEOUT,
+-- Linux) to the same limit: a process frozen before it READ this statement's answer (the
+-- document, up to 5 MiB, more than the socket buffers hold) leaves the session active in
+-- ClientWrite, where no idle limit applies; unacknowledged data for that long ends it
+-- (tests/e2e/test_break_claim_reads_frozen.py). Both limits end with the transaction.
 WITH j AS (
     SELECT j.*, EXISTS (SELECT 1 FROM processed_event p
                          WHERE p.key_digest = processed_event_key(%(group)s, %(event_type)s,
@@ -605,6 +610,9 @@ SELECT j.*, c.attempt AS claim_attempt, c.run_token AS claim_run_token,
        CASE WHEN %(idle_ms)s::text IS NOT NULL
             THEN set_config('idle_in_transaction_session_timeout', %(idle_ms)s, true)
        END AS idle_limit,
+       CASE WHEN %(idle_ms)s::text IS NOT NULL
+            THEN set_config('tcp_user_timeout', %(idle_ms)s, true)
+       END AS write_limit,
        r.r_document, r.r_previous_output, r.r_chunks, r.r_budget
   FROM j LEFT JOIN c ON true
        CROSS JOIN LATERAL stage_claim_reads(c.run_token IS NOT NULL, j.job_id, j.tenant_id,
@@ -722,8 +730,13 @@ SELECT pg_sequence_last_value(pg_get_serial_sequence('outbox', 'id')::regclass) 
 -- The relay's lock session is ended by Postgres after %(ms)s milliseconds (text) idle, in or out
 -- of a transaction: a relay frozen (SIGSTOP, VM pause) longer loses its advisory lock, so a
 -- standby takes over instead of the outbox waiting for as long as the process is frozen.
+-- tcp_user_timeout (breaker10; the server's TCP_USER_TIMEOUT, Linux): a relay frozen before
+-- it read a big answer (a read-ahead of large rows) leaves the session active in ClientWrite,
+-- where neither idle limit applies; data unacknowledged for %(ms)s ends it too
+-- (tests/e2e/test_break_relay_readahead_frozen.py[big-rows]).
 SELECT set_config('idle_session_timeout', %(ms)s, false),
-       set_config('idle_in_transaction_session_timeout', %(ms)s, false);
+       set_config('idle_in_transaction_session_timeout', %(ms)s, false),
+       set_config('tcp_user_timeout', %(ms)s, false);
 
 -- name: relay_touch
 -- The active relay's sign of life on its lock session (see relay_lock_session_timeout).

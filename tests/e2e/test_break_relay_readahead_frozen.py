@@ -10,6 +10,14 @@ snapshot, holding back vacuum's horizon) for as long as it is frozen, and the st
 never take over. The standby must take over within the bound and publish the whole backlog;
 on SIGCONT the old relay must step down; each key's events first reach Kafka in outbox order;
 every row ends with one ``outbox_published`` record.
+
+Breaker10 (``big-rows``): the same with rows of 60 kB, so the read-ahead's answer (100 rows,
+6 MB) is more than the loopback socket buffers hold: the frozen relay's backend is left
+``active`` in ``ClientWrite`` (sending an answer nobody reads), where no idle timeout applies,
+nor ``statement_timeout``. BROKE on main (e0e52a3): the standby never got the lock while the
+relay was frozen (2 runs of 2). Fixed: the lock session also sets ``tcp_user_timeout``
+(``relay_lock_session_timeout``), so Postgres ends it once its answer stays unacknowledged
+for ``relay_lock_timeout_s``.
 """
 
 from __future__ import annotations
@@ -31,7 +39,6 @@ from tests.helpers import (
 pytestmark = pytest.mark.e2e
 
 KEYS = [f"job-{i}" for i in range(4)]
-N = 500  # rows per key: 20 batches of 100
 
 
 def _sessions(url: str) -> str:
@@ -41,10 +48,13 @@ def _sessions(url: str) -> str:
     return "\n".join(str(r) for r in rows)
 
 
+@pytest.mark.parametrize(("N", "pad_bytes"), [
+    pytest.param(500, 0, id="small-rows"),  # rows per key: 20 batches of 100
+    pytest.param(100, 60_000, id="big-rows")])  # 4 batches of 6 MB
 def test_a_relay_frozen_with_its_read_ahead_sent_hands_over_to_the_standby(
-        settings: Settings, procs: ProcessRunner) -> None:
+        settings: Settings, procs: ProcessRunner, N: int, pad_bytes: int) -> None:
     url, topic = settings.database_url, settings.topic("job.failed")
-    insert_keyed_rows(url, topic, KEYS, N)
+    insert_keyed_rows(url, topic, KEYS, N, pad_bytes=pad_bytes)
     env = {"JOBSTREAM_RELAY_BATCH_SIZE": "100", "JOBSTREAM_RELAY_MAX_IN_FLIGHT": "200",
            "JOBSTREAM_RELAY_LOCK_TIMEOUT_S": "3"}
     # The third mark of the drain: a draining fetch's read-ahead is out (the fault point runs

@@ -88,6 +88,7 @@ from psycopg.rows import DictRow, dict_row, tuple_row
 
 from consumers.ddl import create_tables, has_key_digest
 from consumers.headers import HEADERS_UNREADABLE, read_headers
+from consumers.holders import FrozenHolderWatch, session_name
 from consumers.routing import (
     HANDLER_ERROR,
     REFUSED_DATA,
@@ -244,6 +245,11 @@ class IdempotentConsumer:
         self._digest_prefix = hashlib.sha256(self.group.encode() + b"\0")
         self.stats = ConsumerStats()
         self._stop = threading.Event()
+        # This consumer's token: the end of its Kafka client.id and of its Postgres sessions'
+        # application_name, so the partitions' next owner can tell a session of a consumer
+        # that left the group (consumers/holders.py).
+        self._token = uuid.uuid4().hex[:12]
+        user = {**settings.kafka_extra, **(kafka_config or {})}
         self._consumer = Consumer({
             "bootstrap.servers": settings.bootstrap_servers, "group.id": self.group,
             "enable.auto.commit": True, "auto.commit.interval.ms": 1000,
@@ -251,7 +257,8 @@ class IdempotentConsumer:
             "isolation.level": "read_committed",
             "session.timeout.ms": settings.session_timeout_ms,
             "heartbeat.interval.ms": max(500, settings.session_timeout_ms // 5),
-            **settings.kafka_extra, **(kafka_config or {})})
+            **user, "client.id": f"{user.get('client.id', 'jobstream-consumer')}-{self._token}"})
+        self._busy_since: float | None = None  # monotonic s the current apply started
         if sink is None:
             dl = (sql.Identifier(settings.db_schema, settings.dead_letter_table)
                   if settings.db_schema else sql.Identifier(settings.dead_letter_table))
@@ -476,6 +483,7 @@ class IdempotentConsumer:
                 options = psycopg.conninfo.conninfo_to_dict(self.settings.dsn).get("options")
                 conn = self._conn = psycopg.connect(
                     self.settings.dsn, row_factory=dict_row, connect_timeout=10,
+                    application_name=session_name(self.group, self._token),
                     options=f"{options or ''} -c idle_in_transaction_session_timeout={ms}")
             except psycopg.OperationalError as exc:
                 _call(self.hooks.db_failed, exc)
@@ -1013,6 +1021,15 @@ class IdempotentConsumer:
                                     thread_name_prefix=f"apply-{self.group}")
                  if self.settings.apply_lanes > 1 and self.max_batch > 1 else None)
         pending: tuple[list[Message], Future[Any]] | None = None  # fetched, being decoded
+        # Ends a frozen former owner's session that this consumer's applies wait on
+        # (consumers/holders.py): Postgres has no timeout for a session frozen mid-statement.
+        watch = FrozenHolderWatch(
+            group=self.group, token=self._token, dsn=self.settings.dsn,
+            admin_config={"bootstrap.servers": self.settings.bootstrap_servers,
+                          **self.settings.kafka_extra},
+            held_s=self.settings.transaction_idle_timeout_s,
+            busy_since=lambda: self._busy_since)
+        watch.start()
         thresholds = gc.get_threshold()
         switch = sys.getswitchinterval()
         if ahead and self.settings.switch_interval_s is not None:
@@ -1045,14 +1062,17 @@ class IdempotentConsumer:
                         break
                     continue
                 self._predecoded, self._prepared, self._digests = current[1]
+                self._busy_since = time.monotonic()
                 try:
                     ok = self._apply_lanes(current[0], lanes)
                 finally:
+                    self._busy_since = None
                     self._predecoded, self._prepared, self._digests = {}, {}, {}
                     self._headers.clear()
                 if not ok:
                     break
         finally:
+            watch.close()
             sys.setswitchinterval(switch)
             if self.settings.gc_tuning:
                 gc.set_threshold(*thresholds)

@@ -299,6 +299,8 @@ class OutboxRelay:
         #: see _narrow.
         self._topic_limits: dict[str, tuple[int | None, float]] = {}
         self._admin: Any = None  # AdminClient, made on first use (_topic_limit)
+        #: Topics whose limit was never learnt, warned of once (see _narrow).
+        self._limit_unknown: set[str] = set()
         #: Rows of a missing topic (within the grace) held aside in id order, so its retries
         #: do not hold up the other topics (breaker6, test_break_relay_missing_liveness.py),
         #: and topic -> (monotonic s its rows are due again, its backoff in s); see _hold.
@@ -729,8 +731,9 @@ class OutboxRelay:
     def _route(self, topic: str) -> int:
         """Where ``topic``'s rows go: 0 for the main producer (batched); its
         ``max.message.bytes`` (> 0) for a narrow topic whose limit is known (the narrow
-        producer, :meth:`_produce_narrow`); -1 for a narrow topic whose limit is not known (a
-        topic that went missing: one row at a time on the main producer, as before). When a
+        producer, :meth:`_produce_narrow`); -1 for a topic whose limit is not known (a topic
+        that went missing, or whose limit the broker did not tell: one row at a time on the
+        main producer, each after the one before was acknowledged). When a
         topic moves between the two producers, the one it leaves is flushed first, so its
         earlier rows are acknowledged (or failed) before later ones are sent.
 
@@ -770,7 +773,12 @@ class OutboxRelay:
         after ``relay_topic_limit_refresh_s`` when known (an operator may lower it meanwhile:
         breaker4, tests/e2e/test_break_relay_limit_lowered.py), and at once after the broker
         refused a message as too large (:meth:`_on_delivery`). A topic the broker said was
-        missing counts as narrow until a row of it is acknowledged."""
+        missing counts as narrow until a row of it is acknowledged, and so does a topic whose
+        limit was never learnt (the AdminClient missed its 2 s: load, a cold client after a
+        restart, or DescribeConfigs not allowed): its rows go one at a time (:meth:`_route`
+        -1) until the limit is known. Counted as wide, its rows were batched and a batch the
+        broker refused for one large row landed after later ones (flakes10,
+        tests/integration/test_relay_limit_unknown.py)."""
         if topic in self._missing_topics:
             # Gone, or back and not yet delivered to: it may come back as a new topic with
             # another limit (breaker5, tests/e2e/test_break_narrow_missing.py), so its old
@@ -780,7 +788,7 @@ class OutboxRelay:
         got = self._topic_limits.get(topic)
         now = time.monotonic()
         # Unknown (the broker did not answer within 2 s: load, outage): asked again after
-        # 5 s, not 60, since meanwhile the topic counts as wide (perf-relay5 saw a cold
+        # 5 s, not 60, since meanwhile its rows go one at a time (perf-relay5 saw a cold
         # AdminClient miss the 2 s under load, test_break_missing_topic[narrow]).
         every = 5 if got is None or got[0] is None else self.settings.relay_topic_limit_refresh_s
         if got is None or now - got[1] > every:
@@ -789,6 +797,14 @@ class OutboxRelay:
             if limit is None:  # not told this time: keep what we knew
                 limit = old
             got = self._topic_limits[topic] = (limit, now)
+            if limit is None and old is None and topic not in self._limit_unknown:
+                self._limit_unknown.add(topic)
+                log.warning(
+                    "max.message.bytes of topic %s not known (the broker did not answer the "
+                    "AdminClient within 2 s): its rows go one at a time, each after the one "
+                    "before was acknowledged, until it is known (asked again every 5 s)", topic)
+            elif limit is not None:
+                self._limit_unknown.discard(topic)
             if (limit != old and limit is not None
                     and limit < self.settings.kafka_message_max_bytes):
                 log.warning(
@@ -800,7 +816,7 @@ class OutboxRelay:
                     "with `jobstream topics` or raise its max.message.bytes, or lower the "
                     "setting to the topic's limit", topic, got[0],
                     self.settings.kafka_message_max_bytes, narrow_batch_bytes(limit))
-        return got[0] is not None and got[0] < self.settings.kafka_message_max_bytes
+        return got[0] is None or got[0] < self.settings.kafka_message_max_bytes
 
     def _warm_up(self) -> None:
         """Before the lock (a standby too, so a takeover publishes at once): import what the
@@ -808,7 +824,7 @@ class OutboxRelay:
         ``max.message.bytes``. The imports took ~0.25 s inside the first drain (bench.relay
         --profile, issue 12's fifth pass), and the first describe_configs of a cold
         AdminClient includes its connection to the broker, which under load can take longer
-        than :meth:`_topic_limit` waits (the topic is then taken as wide until asked again)."""
+        than :meth:`_topic_limit` waits (its rows then go one at a time until asked again)."""
         for module in ("jobstream.deadletter", "jobstream.retention", "streams.actions",
                        "streams.context"):
             importlib.import_module(module)
@@ -832,7 +848,7 @@ class OutboxRelay:
             (fut,) = self._admin.describe_configs(
                 [ConfigResource(ConfigResource.Type.TOPIC, topic)], request_timeout=2).values()
             return int(fut.result(timeout=2)["max.message.bytes"].value)
-        except Exception as exc:  # noqa: BLE001 - unknown: batched as before, asked again later
+        except Exception as exc:  # noqa: BLE001 - unknown: one row at a time, asked again later
             log.debug("max.message.bytes of %s unknown: %s", topic, exc)
             return None
 

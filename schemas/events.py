@@ -24,6 +24,7 @@ from pydantic import (
     StrictInt,
     TypeAdapter,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -43,6 +44,11 @@ Lane = Literal["interactive", "batch"]
 #: at 8 decimals: breaker9). An integer-valued count sent as ``5.0`` is rejected too.
 USD_MAX = 999_999.99999999
 Usd = Annotated[float, Field(ge=0, le=USD_MAX, strict=True, allow_inf_nan=False)]
+#: The largest count an event may carry: what a Postgres ``bigint`` (int8) holds. A larger one
+#: is a schema violation at the consumer's edge, not a database error after it was accepted
+#: (``generation`` too: an event's generation is only compared with the job's ``integer``
+#: column, never stored).
+INT8_MAX: Final = 2**63 - 1
 
 
 class _Frozen(BaseModel):
@@ -59,7 +65,8 @@ class DocumentRef(_Frozen):
     filename: str = Field(min_length=1, max_length=512, pattern=NO_CONTROL_CHARS)
     content_type: Literal["text/plain", "application/pdf"] = "text/plain"
     sha256: Sha256Hex
-    size_bytes: int = Field(strict=True, ge=0, description="Size of the document (bytes).")
+    size_bytes: int = Field(strict=True, ge=0, le=INT8_MAX,
+                            description="Size of the document (bytes).")
     content_b64: str | None = Field(None, description="The document's bytes, base64.")
     uri: str | None = Field(None, pattern=r"^file://", description="file:// URI of the bytes.")
 
@@ -119,24 +126,26 @@ class TextExtractedPayload(_Frozen):
     """Text extraction finished; the text is in the ``extract`` checkpoint."""
 
     text_sha256: Sha256Hex
-    char_count: int = Field(strict=True, ge=0)
-    page_count: int = Field(strict=True, ge=0, description="PDF pages; 0 for plain text.")
+    char_count: int = Field(strict=True, ge=0, le=INT8_MAX)
+    page_count: int = Field(strict=True, ge=0, le=INT8_MAX,
+                            description="PDF pages; 0 for plain text.")
 
 
 class ChunksReadyPayload(_Frozen):
     """Chunking finished; the chunks are rows of ``chunk``."""
 
-    chunk_count: int = Field(strict=True, ge=1)
+    chunk_count: int = Field(strict=True, ge=1, le=INT8_MAX)
     chunks_sha256: Sha256Hex
 
 
 class LlmDonePayload(_Frozen):
     """Every chunk has a model output (from the provider or reused by dedup key)."""
 
-    chunk_count: int = Field(strict=True, ge=1)
+    chunk_count: int = Field(strict=True, ge=1, le=INT8_MAX)
     output_sha256: Sha256Hex
-    provider_calls: int = Field(strict=True, ge=0, description="Provider attempts of this "
-                                "stage, over all its runs (0 if reused).")
+    provider_calls: int = Field(strict=True, ge=0, le=INT8_MAX,
+                                description="Provider attempts of this stage, over all its "
+                                "runs (0 if reused).")
     reused: bool = Field(strict=True)
     cost_usd: Usd = Field(description="Provider cost of this stage (USD).")
 
@@ -153,8 +162,8 @@ class DocumentAnalysis(_Frozen):
     title: str = Field(min_length=1, max_length=300)
     summary: str = Field(min_length=1, max_length=4000)
     keywords: list[str] = Field(min_length=1, max_length=20)
-    word_count: int = Field(strict=True, ge=1)
-    chunk_count: int = Field(strict=True, ge=1)
+    word_count: int = Field(strict=True, ge=1, le=INT8_MAX)
+    chunk_count: int = Field(strict=True, ge=1, le=INT8_MAX)
     fields: dict[str, str | StrictInt | list[str]] = Field(
         default_factory=dict, description="Extracted fields, e.g. licence_name, version, years."
     )
@@ -187,13 +196,23 @@ class _Envelope(_Frozen):
     request_id: str = Field(default_factory=lambda: uuid.uuid4().hex, max_length=200,
                             pattern=NO_CONTROL_CHARS)
 
+    @field_validator("schema_version", mode="before")
+    @classmethod
+    def _version_is_an_integer(cls, value: Any) -> Any:
+        """``schema_version`` is the JSON integer 1: ``Literal[1]`` alone compares by equality,
+        so ``true`` and ``1.0`` passed as version 1 (flakes10). Anything else is left to the
+        literal check (``2``, ``"1"``: its own message)."""
+        if isinstance(value, bool | float):
+            raise ValueError(f"must be the integer {SCHEMA_VERSION}, not {value!r}")
+        return value
+
 
 class _JobEnvelope(_Envelope):
     job_id: uuid.UUID
     dedup_key: Sha256Hex
-    generation: int = Field(0, strict=True, ge=0, description="The job's redrive generation: "
-                            "a redrive starts a new one and events of older generations are "
-                            "ignored.")
+    generation: int = Field(0, strict=True, ge=0, le=INT8_MAX,
+                            description="The job's redrive generation: a redrive starts a new "
+                            "one and events of older generations are ignored.")
 
 
 class DocumentUploaded(_Envelope):

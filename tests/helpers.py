@@ -18,7 +18,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from jobstream.drills.procs import Proc, child_env
+from jobstream.drills.procs import Proc, child_env, die_with_parent
 from jobstream.drills.procs import ProcessRunner as _ProcessRunner
 from jobstream.settings import Settings
 
@@ -85,7 +85,7 @@ class ScriptRig:
     """Child processes that each run one Python ``script`` (e.g. a library consumer probe)
     with ``args``, this tree on ``PYTHONPATH`` and cwd, and one log per name under
     ``tmp_path`` (``<name>.log``, stdout and stderr). :meth:`close` SIGKILLs them and closes
-    the logs."""
+    the logs; they die with this process too (:func:`jobstream.drills.procs.die_with_parent`)."""
 
     def __init__(self, tmp_path: Path, script: str, args: list[str], names: tuple[str, ...]
                  ) -> None:
@@ -100,7 +100,8 @@ class ScriptRig:
     def start(self, name: str, **env: str) -> subprocess.Popen[bytes]:
         """Start the script logging to ``name``'s log, with ``env`` added to the environment."""
         p = subprocess.Popen(self.args, stdout=self.logs[name], stderr=subprocess.STDOUT,
-                             env={**os.environ, **env, "PYTHONPATH": self.root}, cwd=self.root)
+                             env={**os.environ, **env, "PYTHONPATH": self.root}, cwd=self.root,
+                             preexec_fn=die_with_parent())
         self.procs.append(p)
         return p
 

@@ -18,14 +18,16 @@ Example
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 from jobstream.settings import Settings
 
@@ -58,16 +60,68 @@ def child_env(settings: Settings | None = None, *, keep_jobstream: bool = False,
     return env
 
 
+#: ``PR_SET_PDEATHSIG`` of ``<linux/prctl.h>`` (prctl(2)).
+PR_SET_PDEATHSIG: Final = 1
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    """libc's ``prctl`` (looked up once, in the parent: a child between fork and exec must not
+    load a library), or None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_PRCTL = _load_prctl()
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` for :class:`subprocess.Popen` that makes the child die (SIGKILL) when
+    this process dies, however it dies (``kill -9`` of pytest or of a drill included), instead
+    of leaking relays and workers that go on consuming the shared broker and Postgres. None
+    where ``prctl(2)`` is not available (not Linux): the child then outlives a killed parent,
+    as before.
+
+    Linux ``PR_SET_PDEATHSIG`` (prctl(2)): the signal comes when the *thread* that forked the
+    child ends, not only the process; the harness starts children from the main thread or
+    from pool threads that live as long as their children (``run_points_concurrently``), never
+    from a thread that ends first. SIGKILL, not SIGTERM: a SIGSTOPped child must die too. A
+    parent that died before the child armed it is caught by comparing ``getppid()`` (the
+    child then kills itself). The child's own children (a text-extraction subprocess) are
+    not covered; they end with their bounded timeout.
+
+    Raises ``OSError`` (from Popen, "Exception occurred in preexec_fn") if prctl fails."""
+    prctl = _PRCTL
+    if prctl is None:
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:  # runs in the child between fork and exec: nothing is loaded here
+        if prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent:  # the parent died before the line above
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return arm
+
+
 def spawn(args: Sequence[str], env: Mapping[str, str], log: Path, *,
           cwd: Path | None = None) -> subprocess.Popen[bytes]:
     """Start ``python -m jobstream.cli <args>`` (this interpreter, so this checkout's code
     when run from its root) in its own session (a signal to the parent's group does not
-    reach it), stdout and stderr written to ``log`` (truncated first)."""
+    reach it), stdout and stderr written to ``log`` (truncated first). It dies with this
+    process (:func:`die_with_parent`): a killed pytest or drill leaks no relay or worker."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as fh:  # the child keeps its own descriptor
         return subprocess.Popen([sys.executable, "-m", "jobstream.cli", *args], env=dict(env),
                                 cwd=cwd, stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=die_with_parent())
 
 
 def stop(popens: Iterable[subprocess.Popen[bytes]], timeout_s: float = 20.0) -> None:

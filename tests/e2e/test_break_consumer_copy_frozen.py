@@ -38,7 +38,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from jobstream.kafka import producer_config
 from jobstream.settings import Settings
 from schemas.events import encode_event
-from tests.helpers import ProcessRunner, job_ready, processed_rows, query, wait_for
+from tests.helpers import Proc, ProcessRunner, job_ready, processed_rows, query, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -93,10 +93,13 @@ class _StallingProxy:
     forwards the wire protocol and, once, stalls in the middle of the Bind message of the
     statement whose Parse contained ``marker``: it forwards the Bind's header and the first
     half of its bytes, then nothing more from that client. Postgres then sees exactly what a
-    client frozen while sending its parameters leaves it with. ``stalled`` is set then."""
+    client frozen while sending its parameters leaves it with. ``stalled`` is set then.
+    ``whole_bind``: forward the whole Bind and stall right after it (its Execute and Sync
+    withheld: the session is then ``active``, ``ClientRead``, no idle timeout armed)."""
 
-    def __init__(self, host: str, port: int, marker: bytes) -> None:
-        self._target, self._marker = (host, port), marker
+    def __init__(self, host: str, port: int, marker: bytes, *, whole_bind: bool = False
+                 ) -> None:
+        self._target, self._marker, self._whole = (host, port), marker, whole_bind
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self.stalled = threading.Event()
@@ -164,9 +167,32 @@ class _StallingProxy:
                         stall = not self.stalled.is_set()
                         self.stalled.set()
                     if stall:
-                        server.sendall(head + body[:len(body) // 2])
+                        server.sendall(head + (body if self._whole else body[:len(body) // 2]))
                         return  # nothing more from this client; both sockets stay open
                 server.sendall(head + body)
+
+
+def _consumer_behind_proxy(settings: Settings, procs: ProcessRunner, prefix: str, *,
+                           whole_bind: bool) -> tuple[_StallingProxy, Proc, dict[str, str]]:
+    """``N`` events on three partitions, then a ``consume-ready`` that reaches Postgres through
+    a :class:`_StallingProxy` of the analysis insert (``whole_bind`` as there): the proxy, the
+    consumer and the environment (idle limit 3 s) a next owner is started with."""
+    url, topic = settings.database_url, settings.topic("job.ready")
+    producer = Producer(producer_config(settings))
+    events = [job_ready(f"{prefix}{i}", charge_usd=0.5) for i in range(N)]
+    for i, e in enumerate(events):
+        producer.produce(topic, value=encode_event(e), key=str(e.job_id).encode(),
+                         partition=i % 3)
+    assert producer.flush(60) == 0
+    info = conninfo_to_dict(url)
+    proxy = _StallingProxy(str(info.get("host") or "127.0.0.1"), int(info.get("port") or 5432),
+                           b"INSERT INTO downstream.document_analysis", whole_bind=whole_bind)
+    proxied = make_conninfo(url, host="127.0.0.1", port=str(proxy.port), sslmode="disable",
+                            gssencmode="disable")
+    env = {"JOBSTREAM_CONSUMER_TRANSACTION_IDLE_TIMEOUT_S": "3"}
+    frozen = procs.start("consume-ready", name="consumer-frozen", JOBSTREAM_DATABASE_URL=proxied,
+                         **env)
+    return proxy, frozen, env
 
 
 def test_a_consumer_frozen_while_sending_its_apply_parameters_does_not_hold_the_partitions(
@@ -176,21 +202,8 @@ def test_a_consumer_frozen_while_sending_its_apply_parameters_does_not_hold_the_
     Bind follows a ReadyForQuery and the session is ``idle in transaction``: the timeout ends
     it. Unprepared (Parse, Bind, Execute, Sync sent together) the session stayed ``active``,
     ``ClientRead``, and held the batch's ``processed_event`` rows for good."""
-    url, topic = settings.database_url, settings.topic("job.ready")
-    producer = Producer(producer_config(settings))
-    events = [job_ready(f"bind{i}", charge_usd=0.5) for i in range(N)]
-    for i, e in enumerate(events):
-        producer.produce(topic, value=encode_event(e), key=str(e.job_id).encode(),
-                         partition=i % 3)
-    assert producer.flush(60) == 0
-    info = conninfo_to_dict(url)
-    proxy = _StallingProxy(str(info.get("host") or "127.0.0.1"), int(info.get("port") or 5432),
-                           b"INSERT INTO downstream.document_analysis")
-    proxied = make_conninfo(url, host="127.0.0.1", port=str(proxy.port), sslmode="disable",
-                            gssencmode="disable")
-    env = {"JOBSTREAM_CONSUMER_TRANSACTION_IDLE_TIMEOUT_S": "3"}
-    frozen = procs.start("consume-ready", name="consumer-frozen", JOBSTREAM_DATABASE_URL=proxied,
-                         **env)
+    url = settings.database_url
+    proxy, frozen, env = _consumer_behind_proxy(settings, procs, "bind", whole_bind=False)
     try:
         wait_for(proxy.stalled.is_set, 60, "the consumer's analysis insert sending its rows",
                  procs.logs, every_s=0.05)
@@ -201,6 +214,39 @@ def test_a_consumer_frozen_while_sending_its_apply_parameters_does_not_hold_the_
     finally:
         os.kill(frozen.popen.pid, signal.SIGCONT)
         proxy.close()
+    rows = query(url, "SELECT dedup_key, count(*) AS n FROM downstream.document_analysis "
+                      "GROUP BY dedup_key")
+    assert len(rows) == N and {r["n"] for r in rows} == {1}, rows[:5]
+
+
+def test_a_consumer_frozen_right_after_its_apply_bind_does_not_hold_the_partitions(
+        settings: Settings, procs: ProcessRunner) -> None:
+    """flakes10: frozen after the analysis insert's whole Bind reached Postgres, before its
+    Execute/Sync (seen once in test_break_apply_lanes_sigstop.py: 84 s). The session is
+    ``active``/``ClientRead`` in an open transaction: no idle timeout is armed and
+    ``statement_timeout`` is ignored while a command is read, so nothing on the server ends it.
+    The next owner, waiting on its ``processed_event`` rows, ends it once the frozen consumer
+    has left the group (consumers/holders.py); without that it waits as long as the freeze."""
+    url = settings.database_url
+    proxy, frozen, env = _consumer_behind_proxy(settings, procs, "afterbind", whole_bind=True)
+    try:
+        wait_for(proxy.stalled.is_set, 60, "the consumer's analysis insert bound", procs.logs,
+                 every_s=0.05)
+        held = wait_for(lambda: _apply_session(url, state="active", wait_event="ClientRead"),
+                        20, "the insert's session active/ClientRead (Bind read, no Execute)",
+                        procs.logs, every_s=0.1)
+        os.kill(frozen.popen.pid, signal.SIGSTOP)
+        nxt = procs.start("consume-ready", name="consumer-next", **env)
+        wait_for(lambda: processed_rows(url)[0] == N, 45, "the next owner to apply every "
+                 "event while the first consumer is frozen after its Bind", procs.logs,
+                 every_s=0.5)
+        assert not query(url, "SELECT 1 FROM pg_stat_activity WHERE pid = %s",
+                         (held[0]["pid"],)), "the frozen session is still there"
+    finally:
+        os.kill(frozen.popen.pid, signal.SIGCONT)
+        proxy.close()
+    assert f"ended Postgres session {held[0]['pid']} " in nxt.log_text(), procs.logs()
+    assert frozen.popen.poll() is None and nxt.popen.poll() is None, procs.logs()
     rows = query(url, "SELECT dedup_key, count(*) AS n FROM downstream.document_analysis "
                       "GROUP BY dedup_key")
     assert len(rows) == N and {r["n"] for r in rows} == {1}, rows[:5]

@@ -193,6 +193,11 @@ def _ready() -> dict[str, Any]:
     (("payload", "result", "chunk_count"), True),
     (("payload", "result", "fields", "n"), True),
     (("generation",), "1"),
+    (("schema_version",), True),                # Literal[1] compares by equality: True == 1
+    (("schema_version",), 1.0),                 # ... and 1.0 == 1
+    (("payload", "result", "word_count"), 2**63),  # beyond bigint (int8)
+    (("payload", "result", "chunk_count"), 2**64),
+    (("generation",), 2**63),
 ])
 def test_lax_numbers_are_schema_violations(path: tuple[str, ...], value: Any) -> None:
     """Counts and money are JSON numbers of the right kind: what pydantic's lax mode would
@@ -207,6 +212,21 @@ def test_lax_numbers_are_schema_violations(path: tuple[str, ...], value: Any) ->
         decode_event(json.dumps(obj).encode(), "job.ready")
     assert caught.value.code == "schema_violation"
     assert path[-1] in str(caught.value)
+
+
+@pytest.mark.parametrize("path", [("payload", "result", "word_count"), ("generation",)])
+def test_a_count_may_be_as_large_as_a_bigint(path: tuple[str, ...]) -> None:
+    """The bound of a count is what Postgres ``bigint`` holds (2^63 - 1), not less."""
+    obj = _ready()
+    target = obj
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = 2**63 - 1
+    ev = decode_event(json.dumps(obj).encode(), "job.ready")
+    value: Any = ev
+    for key in path:
+        value = getattr(value, key)
+    assert value == 2**63 - 1
 
 
 @pytest.mark.parametrize("text", [b"1e400", b"-1e400", b"NaN", b"Infinity"])

@@ -84,6 +84,10 @@ class FakeProducer:
 def _relay(producer: FakeProducer) -> OutboxRelay:
     relay = OutboxRelay(Settings(kafka_bootstrap_servers="127.0.0.1:1"))
     relay._producer = producer  # type: ignore[assignment]
+    # Topic "t" is wide (its limit is the producer's, known and never asked again): its rows
+    # are batched. With no broker to tell, its limit would be unknown and its rows would go
+    # one at a time (flakes10, tests/integration/test_relay_limit_unknown.py).
+    relay._topic_limits["t"] = (relay.settings.kafka_message_max_bytes, float("inf"))
     return relay
 
 

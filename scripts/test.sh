@@ -15,10 +15,10 @@ KAFKA_BOOTSTRAP_SERVERS / DATABASE_URL when set, else testcontainers when a Dock
 answers, else the native services of scripts/services.sh (started by the test session).
 Installs promtool (Debian's prometheus package) for the alert-rule tests when missing.
 
-Without arguments: the whole suite (unit, integration, e2e; ~20-25 min on 2 cores), in one process,
-or on JOBSTREAM_TEST_WORKERS pytest-xdist workers when set (2: ~17-21 min, not the default yet: see
-docs/testing.md). JOBSTREAM_TEST_POINTS_AT_ONCE (default 3): how many crash/pause-matrix points
-run at once in threads (each its own database, topics and processes; 1 runs them in turn).
+Without arguments: the whole suite (unit, integration, e2e) on JOBSTREAM_TEST_WORKERS pytest-xdist
+workers (default 2: ~15 min on 2 cores; 0 or 1: one process, over 30 min; see docs/testing.md).
+JOBSTREAM_TEST_POINTS_AT_ONCE (default 3): how many crash/pause-matrix points run at once in
+threads (each its own database, topics and processes; 1 runs them in turn).
 Arguments go to pytest (one process unless they say -n), e.g.
   bash scripts/test.sh tests/unit -q               # the unit tests only (~1 min)
   bash scripts/test.sh tests/e2e/test_pause.py     # one module
@@ -35,10 +35,12 @@ if ! command -v promtool >/dev/null 2>&1; then
     --no-install-recommends prometheus >/dev/null
 fi
 export VIRTUAL_ENV="$PWD/.venv" PATH="$PWD/.venv/bin:$PATH"
-if [ "$#" -eq 0 ] && [ "${JOBSTREAM_TEST_WORKERS:-0}" != 0 ]; then
+workers=${JOBSTREAM_TEST_WORKERS:-2}
+if [ "$#" -eq 0 ] && [ "$workers" != 0 ] && [ "$workers" != 1 ]; then
   # The whole suite, tests spread over workers (every test has its own database and topic
   # prefix; the modules that share a private service stay on one worker: tests/conftest.py
-  # ONE_WORKER_MODULES). Opt-in until two full runs in a row are green (docs/testing.md).
-  set -- -n "$JOBSTREAM_TEST_WORKERS"
+  # ONE_WORKER_MODULES). The default since session 10 (docs/testing.md: 606 tests, 15 min vs
+  # 30+ in one process, past the CI budget of ~30).
+  set -- -n "$workers"
 fi
 exec .venv/bin/python -m pytest "$@"

@@ -49,8 +49,16 @@ SELECT DISTINCT b.pid, b.application_name
    AND b.application_name LIKE %(group_like)s AND b.application_name <> %(mine)s
    AND b.state_change < now() - make_interval(secs => %(held_s)s)
 """
-#: End one session (its open transaction rolls back); true when it was signalled.
-TERMINATE = "SELECT pg_terminate_backend(%s) AS ended"
+#: End one session (its open transaction rolls back) if it is still the one looked at: the same
+#: pid with the same ``application_name``, unchanged for ``held_s`` seconds (the member lookup
+#: in between takes up to 10 s: a pid could end and be reused, or the holder move on). One row,
+#: true when it was signalled; no row when it is no longer that session.
+TERMINATE = """
+SELECT pg_terminate_backend(pid) AS ended
+  FROM pg_stat_activity
+ WHERE pid = %(pid)s AND application_name = %(name)s
+   AND state_change < now() - make_interval(secs => %(held_s)s)
+"""
 
 
 def session_name(group: str, token: str) -> str:
@@ -170,7 +178,9 @@ class FrozenHolderWatch:
             token = str(name).rsplit(".", 1)[-1]
             if token.endswith("watch") or any(c.endswith(f"-{token}") for c in members):
                 continue  # a live member (or a watcher): never ended
-            row = self._conn.execute(TERMINATE, (pid,)).fetchone()
+            row = self._conn.execute(
+                TERMINATE, {"pid": pid, "name": name, "held_s": self.held_s}
+            ).fetchone()
             if row and row[0]:
                 ended.append(pid)
                 log.warning(

@@ -33,9 +33,8 @@ from typing import Annotated, Any, Final, Literal
 import msgspec
 from pydantic import BaseModel
 
-from schemas.events import USD_MAX, DocumentAnalysis, JobReady, JobReadyPayload
+from schemas.events import INT8_MAX, USD_MAX, DocumentAnalysis, JobReady, JobReadyPayload
 
-INT8_MAX: Final = 2**63 - 1
 #: Two sha256 in lowercase hex, back to back (one match for both of an event's).
 _TWO_SHA256: Final = re.compile(r"[0-9a-f]{128}\Z")
 #: ``[A-Za-z0-9._:-]+``, as pydantic's pattern for ``tenant_id`` (``\Z``: Python's ``$`` also

@@ -195,7 +195,12 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
                     continue
                 if round_no + 1 > s.retry_rounds:
                     reason = f"retry budget exhausted after {round_no} rounds: {exc}"
-                    if hasattr(ev, "job_id"):
+                    # not_ready: the stage's input (the previous checkpoint) never became
+                    # visible, so this copy is ahead of its job (forged, or superseded by a
+                    # re-run): only the copy is dead-lettered; failing the job would let one
+                    # stray message end good work (adv12). A job really stuck is the
+                    # sweeper's (expired leases, stalls between stages).
+                    if hasattr(ev, "job_id") and getattr(exc, "code", None) != "not_ready":
                         try:
                             await asyncio.to_thread(give_up, ctx, ev, "retry_budget_exhausted",
                                                     reason)

@@ -385,7 +385,8 @@ class IdempotentConsumer:
         checked :class:`schemas.fastpath.Ready` struct: the model's attribute names and values,
         ``occurred_at`` as text), and the batch path then builds no pydantic model for an
         event that only goes through ``prepare`` (~3 us per ``job.ready``). Handlers and hooks
-        still get models (built when called); the outcome of every message is the same.
+        still get models (built when called: equal, not always the same instance); the
+        outcome of every message is the same.
 
         Raises
         ------

@@ -6,15 +6,16 @@ stray message ended good work (2 runs of 2). Only the copy may be dead-lettered:
 must go on and succeed, each applied and charged once. Real worker, relay and
 ``consume-ready`` processes, shared services.
 
-breaker11: the same forged early event at the two stages nobody probed: ``chunk`` (one transaction: claim, work and
-complete under the job's row lock; the claim commits alone when the work raises) and ``llm``
-on a REMOTE provider (the fake provider over loopback: the claim commits in its own
-transaction, the provider calls run outside it). A schema-valid ``job.text_extracted`` /
-``job.chunks_ready`` naming a REAL job that is still queued before extract is consumed, each
-also as a copy with a far-future ``generation`` (the claim takes ``generation >=`` the
-job's). The copies claim a stage whose input is not there (``not_ready``), release it and
-spend their retry budget; only they may be dead-lettered. Then extract runs: every job must
-succeed, be applied and charged once, each chunk answered by exactly one provider attempt.
+breaker11: the same forged early event at the two stages nobody probed: ``chunk`` (one
+transaction: claim, work and complete under the job's row lock; the claim commits alone when
+the work raises) and ``llm`` on a REMOTE provider (the fake provider over loopback: the claim
+commits in its own transaction, the provider calls run outside it). A schema-valid
+``job.text_extracted`` / ``job.chunks_ready`` naming a REAL job that is still queued before
+extract is consumed, each also as a copy with a far-future ``generation`` (the claim takes
+``generation >=`` the job's). The copies claim a stage whose input is not there
+(``not_ready``), release it and spend their retry budget; only they may be dead-lettered. Then
+extract runs: every job must succeed, be applied and charged once, each chunk answered by
+exactly one provider attempt.
 """
 
 from __future__ import annotations

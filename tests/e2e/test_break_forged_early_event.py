@@ -89,17 +89,20 @@ def test_a_forged_early_stage_event_is_dead_lettered_and_fails_no_job(
 FAR_GENERATION = 1_000_000
 
 
+Remote = tuple[Settings, ProcessRunner, dict[str, str], FakeProvider]
+
+
 @pytest.fixture
-def remote_env(settings: Settings, tmp_path: Path
-               ) -> Iterator[tuple[Settings, ProcessRunner, dict[str, str]]]:
+def remote_env(settings: Settings, tmp_path: Path) -> Iterator[Remote]:
     """Settings whose jobs run on the ``custom`` profile served by the fake provider (the
-    llm stage's two-transaction claim), a runner passing them on, and its environment."""
+    llm stage's two-transaction claim), a runner passing them on, its environment (with
+    :data:`ENV`'s short retry budget) and the provider."""
     with FakeProvider() as fake:
         s = chaos.chaos_settings(settings, fake.base_url, lease_s=30)
         runner = ProcessRunner(s, tmp_path / "logs")
         env = {k: v for k, v in chaos.settings_env(s).items() if k.startswith("JOBSTREAM_")}
         try:
-            yield s, runner, env | ENV
+            yield s, runner, env | ENV, fake
         finally:
             runner.kill_all()
 
@@ -131,8 +134,8 @@ def _forged(url: str, stage: str) -> list[tuple[bytes, bytes]]:
 
 @pytest.mark.parametrize("stage", ["chunk", "llm"])
 def test_a_forged_early_event_at_chunk_or_remote_llm_fails_no_job(
-        remote_env: tuple[Settings, ProcessRunner, dict[str, str]], stage: str) -> None:
-    s, procs, env = remote_env
+        remote_env: Remote, stage: str) -> None:
+    s, procs, env, _ = remote_env
     url = s.database_url
     procs.start("relay", **env)
     procs.start("consume-ready", **env)
@@ -162,3 +165,41 @@ def test_a_forged_early_event_at_chunk_or_remote_llm_fails_no_job(
     procs.start("worker", "--stages", "extract", name="extract", **env)
     for r in assert_jobs_succeed_charged_once(s, procs, N):
         assert_one_succeeded_attempt_per_chunk(url, r["job_id"])
+
+
+@pytest.mark.xfail(strict=True, reason="breaker11: a forged retry_count header on a copy in "
+                   "the .retry topic fails a real job during a provider outage it would survive")
+def test_a_forged_retry_count_does_not_fail_a_job_through_an_outage(remote_env: Remote) -> None:
+    """A copy of a real job's ``job.chunks_ready`` (its real ids and generation) put on
+    ``job.chunks_ready.retry`` with ``retry_count`` 1000 while the provider answers 503: the
+    real event has budget left (50 rounds), the copy has none, and a copy spent on a
+    transient error fails its job (``give_up``), as it should for a real event's last round.
+    The job must survive the outage: the provider heals and the job succeeds, charged once."""
+    s, procs, env, fake = remote_env
+    url = s.database_url
+    env |= {"JOBSTREAM_RETRY_ROUNDS": "50", "JOBSTREAM_RETRY_IN_PLACE": "0",
+            "JOBSTREAM_PROVIDER_MAX_ATTEMPTS": "1", "JOBSTREAM_PROVIDER_BUDGET_ATTEMPTS": "1000",
+            "JOBSTREAM_PROVIDER_BACKOFF_BASE_S": "0.1", "JOBSTREAM_PROVIDER_BACKOFF_CAP_S": "0.5"}
+    fake.set_script({"default": {"status": 503}})
+    procs.start("relay", **env)
+    procs.start("consume-ready", **env)
+    worker = procs.start("worker", **env)
+    doc = _on_remote(text_uploaded("rc-0", "Retry count doc. " + "Some words. " * 80))
+    produce_raw(s, s.topic("document.uploaded"), [(b"rc-0", encode_event(doc))])
+    wait_for(lambda: query(url, "SELECT count(*) AS n FROM provider_attempt WHERE outcome = "
+                                "'transient_error'")[0]["n"] >= 2, 120,
+             "the outage felt by the real event", procs.logs)
+    [j] = query(url, "SELECT job_id, tenant_id, idempotency_key, dedup_key, generation FROM job")
+    copy = ChunksReady(tenant_id=j["tenant_id"], idempotency_key=j["idempotency_key"],
+                       job_id=j["job_id"], dedup_key=j["dedup_key"], generation=j["generation"],
+                       payload=ChunksReadyPayload(chunk_count=3, chunks_sha256="0" * 64))
+    produce_raw(s, s.topic("job.chunks_ready.retry"),
+                [(str(j["job_id"]).encode(), encode_event(copy))],
+                headers=[("retry_count", b"1000"), ("retry_not_before_ms", b"0")])
+    wait_for(lambda: "retry budget exhausted" in worker.log_text()
+             or query(url, "SELECT status FROM job")[0]["status"] == "failed", 120,
+             "the copy's budget spent", procs.logs)
+    [job] = query(url, "SELECT status, error_code FROM job")
+    assert job["status"] != "failed", f"the copy's retry_count failed the job: {job}"
+    fake.set_script({})  # the outage ends
+    assert_jobs_succeed_charged_once(s, procs, 1, timeout_s=180)

@@ -1137,6 +1137,18 @@ class Store:
                                               "stage": claim.stage,
                                               "run_token": claim.run_token})
 
+    def add_retry_round(self, *, job_id: uuid.UUID, stage: str, generation: int) -> int | None:
+        """Count one more retry round of ``stage``'s event for the job's ``generation`` (its own
+        transaction, migration 0044) and return the rounds spent so far, this one included;
+        None when the job does not exist. The stage agent decides an exhausted retry budget by
+        this count, not by the message's ``retry_count`` header, which anyone who can write to
+        a ``.retry`` topic can forge (breaker11). Raises :class:`RetryableError` if Postgres
+        is down."""
+        with self.tx() as conn:
+            row = conn.execute(Q["add_retry_round"], {"job_id": job_id, "stage": stage,
+                                                      "generation": generation}).fetchone()
+            return None if row is None else int(row["rounds"])
+
     def give_up(self, *, job_id: uuid.UUID, stage: str, error_code: str, error: str,
                 group: str, event_type: str, event_id: uuid.UUID, dedup_key: str,
                 failed_msg: OutboxMessage, generation: int) -> bool:

@@ -14,8 +14,9 @@ Routing (style.md lesson 4: agents stay thin, failures are routed explicitly):
   ``retry_in_place`` times with full-jitter backoff (a Postgres blip), then sent to
   ``<topic>.retry`` with ``retry_count`` and ``retry_not_before_ms`` headers and acked, so the
   partition moves on. A retry agent re-runs it after the not-before time; after
-  ``retry_rounds`` rounds the job fails (``retry_budget_exhausted``) and the message is
-  dead-lettered for inspection;
+  ``retry_rounds`` rounds (counted in Postgres per job, stage and generation, not taken from
+  the forgeable header: migration 0044) the job fails (``retry_budget_exhausted``) and the
+  message is dead-lettered for inspection;
 - a bug (any other exception) -> dead-lettered with reason ``unhandled``, never a crash loop;
   the stage run already ended (:func:`streams.runner.run_stage` fails the job with
   ``internal_error`` and a ``job.failed`` event).
@@ -217,6 +218,25 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
             await asyncio.sleep(wait)
         await run(event, ev, round_no)
 
+    async def rounds_spent(ev: Any, header_spent: int) -> tuple[int, bool]:
+        """The retry rounds this chain of a job's stage event has spent, this failure
+        included, and whether Postgres vouches for them (breaker11): the message's
+        ``retry_count`` + 1 (``header_spent``), but never more than the rounds Postgres counted
+        for the job's stage and generation (:meth:`Store.add_retry_round`, every chain's
+        failures together). A forged ``retry_count`` thus spends no more than the job's real
+        rounds, while a duplicated chain (a retry message delivered twice) still has its own
+        budget, as before. ``(header_spent, False)`` when Postgres cannot answer or the job is
+        gone: such a count never fails a job, it only ends the copy's retries."""
+        try:
+            n = await asyncio.to_thread(ctx.store.add_retry_round, job_id=ev.job_id,
+                                        stage=PIPELINE.consumer_of(ev.event_type).name,
+                                        generation=ev.generation)
+        except RetryableError as exc:
+            log.warning("%s: retry round of job %s not counted (%s); the header's %d stands",
+                        name, ev.job_id, describe(exc), header_spent)
+            return header_spent, False
+        return (header_spent, False) if n is None else (min(header_spent, n), True)
+
     async def run(event: faust.EventT[Any], ev: Any, round_no: int) -> None:
         """Run the decoded event ``ev`` of ``event`` (retry round ``round_no``; 0: first)."""
         attempt = 0
@@ -245,14 +265,19 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
                                 exc, attempt, wait)
                     await asyncio.sleep(wait)
                     continue
-                if round_no + 1 > s.retry_rounds:
-                    reason = f"retry budget exhausted after {round_no} rounds: {exc}"
-                    # not_ready: the stage's input (the previous checkpoint) never became
-                    # visible, so this copy is ahead of its job (forged, or superseded by a
-                    # re-run): only the copy is dead-lettered; failing the job would let one
-                    # stray message end good work (adv12). A job really stuck is the
-                    # sweeper's (expired leases, stalls between stages).
-                    if hasattr(ev, "job_id") and getattr(exc, "code", None) != "not_ready":
+                # not_ready: the stage's input (the previous checkpoint) never became
+                # visible, so this copy is ahead of its job (forged, or superseded by a
+                # re-run): its rounds are the header's and only the copy is dead-lettered at
+                # the end; failing the job would let one stray message end good work (adv12).
+                # A job really stuck is the sweeper's (expired leases, stalls between stages).
+                # Any other transient failure of a job's event is counted in Postgres, and a
+                # chain's rounds are never more than that count (a forged header, breaker11).
+                spent, counted = round_no + 1, False
+                if hasattr(ev, "job_id") and getattr(exc, "code", None) != "not_ready":
+                    spent, counted = await rounds_spent(ev, spent)
+                if spent > s.retry_rounds:
+                    reason = f"retry budget exhausted after {spent - 1} rounds: {exc}"
+                    if counted:
                         try:
                             await asyncio.to_thread(give_up, ctx, ev, "retry_budget_exhausted",
                                                     reason)
@@ -260,7 +285,7 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
                             log.error("%s: could not fail job %s: %s", name, ev.job_id, db_exc)
                     await dead_letter(event, "retry_budget_exhausted", reason)
                     return
-                await to_retry(event, exc, round_no + 1)
+                await to_retry(event, exc, spent)
                 return
             except Exception as exc:  # a bug must not crash-loop the partition
                 # run_stage already ended the stage and failed the job (internal_error).

@@ -239,6 +239,15 @@ UPDATE job_stage
  WHERE job_id = %(job_id)s AND stage = %(stage)s AND run_token = %(run_token)s
    AND status = 'running';
 
+-- name: add_retry_round
+-- One more retry round of a stage event (migration 0044), in its own transaction: the rounds
+-- the job's (stage, generation) has spent, this one included. A job already gone: no row back.
+INSERT INTO stage_retry_round AS r (job_id, stage, generation, rounds)
+SELECT j.job_id, %(stage)s, %(generation)s, 1 FROM job j WHERE j.job_id = %(job_id)s
+ON CONFLICT (job_id, stage, generation)
+DO UPDATE SET rounds = r.rounds + 1, updated_at = now()
+RETURNING r.rounds;
+
 -- name: fail_open_job
 -- Give up on a job whose stage event exhausted the retry budget (no run owns the stage).
 UPDATE job_stage SET status = 'failed', error_code = %s, error = %s, lease_until = NULL,

@@ -7,6 +7,8 @@ own connection, ``outbox_notify=in_transaction``) still gets the trigger's NOTIF
 
 from __future__ import annotations
 
+import dataclasses
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -19,7 +21,7 @@ from jobstream.store import Claim, Store
 from outbox_relay.relay import CHANNEL
 from streams.context import StageContext
 from streams.intake import intake_intent
-from tests.helpers import text_uploaded, wait_for
+from tests.helpers import ProcessRunner, query, text_uploaded, wait_for
 from tests.integration.test_stage_transactions import (  # noqa: F401  (fixtures)
     FIRST,
     SECOND,
@@ -107,3 +109,26 @@ def test_sessions_that_do_not_wake_the_relay_themselves_keep_the_triggers_notify
         assert listener.wakes(1) == 1  # the trigger's, at the commit
     finally:
         in_tx.close()
+
+
+def test_a_lone_store_commit_wakes_a_real_relay_after_its_commit(
+        settings: Settings, procs: ProcessRunner) -> None:
+    """The post-commit NOTIFY reaches a relay process whose polling fallback is a minute
+    (``test_relay_notify.py`` does the same for the trigger's NOTIFY of a plain session)."""
+    url = settings.database_url
+    relay = procs.start("relay", JOBSTREAM_RELAY_POLL_INTERVAL_S="60")
+    wait_for(lambda: "relay active" in relay.log_text(), 60, "the relay to be active",
+             procs.logs)
+    time.sleep(0.5)  # past its first look: now it waits for a NOTIFY (fallback: 60 s)
+    writer = Store(url, max_size=1)
+    try:
+        with writer.tx() as conn:
+            msg = _msg("test.row", uuid.uuid4(), {"n": 1})
+            writer.add_outbox(conn, dataclasses.replace(msg, topic=settings.topic("job.failed")))
+    finally:
+        writer.close()
+    wait_for(lambda: not query(url, "SELECT 1 FROM outbox"), 20,
+             "the lone row published (only the wake-up can wake the relay in time)",
+             procs.logs)
+    assert [r["event_type"] for r in query(url, "SELECT event_type FROM outbox_published")
+            ] == ["test.row"]

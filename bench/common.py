@@ -252,12 +252,18 @@ def pyspy_record(pid: int, out: Path, *options: str, rate: int = 100
                  ) -> subprocess.Popen[bytes] | None:
     """``py-spy record`` of process ``pid`` into ``out`` (raw collapsed stacks, ``rate``
     samples per second, plus py-spy ``options`` such as ``--gil`` or ``--idle --threads``)
-    until :func:`pyspy_stacks`; None when py-spy is not installed."""
+    until :func:`pyspy_stacks`; None when py-spy is not installed (said on stderr). py-spy's own
+    stderr goes to ``out`` + ``.stderr``, printed by :func:`pyspy_stacks` when it records
+    nothing."""
     try:
-        return subprocess.Popen(["py-spy", "record", "-p", str(pid), "-r", str(rate),
-                                 "--format", "raw", *options, "-o", str(out), "--nonblocking"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with open(f"{out}.stderr", "wb") as err:
+            return subprocess.Popen(["py-spy", "record", "-p", str(pid), "-r", str(rate),
+                                     "--format", "raw", *options, "-o", str(out),
+                                     "--nonblocking"],
+                                    stdout=subprocess.DEVNULL, stderr=err)
     except FileNotFoundError:
+        print("py-spy is not installed: no profile (bash scripts/venv.sh --extra bench)",
+              file=sys.stderr)
         return None
 
 
@@ -275,6 +281,10 @@ def pyspy_stacks(proc: subprocess.Popen[bytes] | None, out: Path
         proc.kill()
         proc.wait(5)
     if not out.exists():
+        err = Path(f"{out}.stderr")
+        said = err.read_text(errors="replace").strip() if err.exists() else ""
+        print(f"py-spy recorded nothing for {out.name} (exit {proc.returncode}): "
+              f"{said[-500:] or 'no message'}", file=sys.stderr)
         return None
     stacks = []
     for line in out.read_text(errors="replace").splitlines():

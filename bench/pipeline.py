@@ -253,7 +253,8 @@ def table_counters(url: str) -> dict[str, Any]:
     inserted / updated / HOT-updated / deleted, per index its scans."""
     with connect(url, autocommit=True) as conn:
         conn.execute("SELECT pg_stat_clear_snapshot()")
-        lsn = conn.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn AS b").fetchone()
+        lsn = conn.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn AS b, "
+                           "pg_current_wal_lsn()::text AS lsn").fetchone()
         tables = conn.execute(
             "SELECT schemaname || '.' || relname AS t, n_tup_ins, n_tup_upd, n_tup_hot_upd, "
             "n_tup_del FROM pg_stat_user_tables").fetchall()
@@ -261,7 +262,7 @@ def table_counters(url: str) -> dict[str, Any]:
             "SELECT schemaname || '.' || indexrelname AS i, idx_scan "
             "FROM pg_stat_user_indexes").fetchall()
     assert lsn is not None
-    return {"wal": int(lsn["b"]),
+    return {"wal": int(lsn["b"]), "lsn": lsn["lsn"],
             "tables": {r["t"]: (r["n_tup_ins"], r["n_tup_upd"], r["n_tup_hot_upd"],
                                 r["n_tup_del"]) for r in tables},
             "indexes": {r["i"]: r["idx_scan"] for r in indexes}}
@@ -269,7 +270,8 @@ def table_counters(url: str) -> dict[str, Any]:
 
 def table_counters_per_job(a: dict[str, Any], b: dict[str, Any], jobs: int) -> dict[str, Any]:
     """Per job of the burst between two :func:`table_counters` readings: WAL bytes
-    (server-wide: other databases' writes count too), per table rows inserted / updated /
+    (server-wide: other databases' writes count too) and the burst's WAL range (``pg_waldump
+    --start A --end B --stats=record`` tells what wrote it), per table rows inserted / updated /
     of those HOT (no index entry written) / deleted, and the indexes no statement scanned."""
     tables = {}
     for t, (ins, upd, hot, dele) in b["tables"].items():
@@ -279,6 +281,7 @@ def table_counters_per_job(a: dict[str, Any], b: dict[str, Any], jobs: int) -> d
                          "hot_upd": round((hot - h0) / jobs, 2),
                          "del": round((dele - d0) / jobs, 2)}
     return {"wal_bytes_per_job": round((b["wal"] - a["wal"]) / jobs),
+            "wal_lsn_range": [a["lsn"], b["lsn"]],
             "rows_per_job": tables,
             "indexes_scanned_per_job": {i: round((n - a["indexes"].get(i, 0)) / jobs, 2)
                                         for i, n in sorted(b["indexes"].items())}}

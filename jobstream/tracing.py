@@ -128,6 +128,17 @@ def use(span: SpanContext | None) -> Iterator[SpanContext | None]:
         _current.reset(token)
 
 
+def enter(span: SpanContext | None) -> contextvars.Token[SpanContext | None]:
+    """Make ``span`` current (``None`` clears it) until :func:`leave` with the returned token:
+    :func:`use` without a generator, for a caller that enters and leaves once per message."""
+    return _current.set(span)
+
+
+def leave(token: contextvars.Token[SpanContext | None]) -> None:
+    """Restore the span current before the :func:`enter` that returned ``token``."""
+    _current.reset(token)
+
+
 def outgoing_header(trace_id: str | None = None) -> str:
     """The ``traceparent`` of a message written now: its parent is the current span.
 

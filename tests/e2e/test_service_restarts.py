@@ -206,6 +206,27 @@ def test_postgres_restart_mid_batch_keeps_exactly_once(
     _assert_batch_complete(s, tenant, private_procs, procs, timeout_s=120)
 
 
+def test_postgres_keeps_its_wal_settings_across_a_crash_restart(
+        private_services: PrivateServices) -> None:
+    """The WAL settings scripts/services.sh writes (page images compressed with lz4,
+    checkpoints every 15 min / 4 GB: bench/README.md, perf-pg9) are in force on a cluster it
+    started, and again after a crash (``pg_ctl stop -m immediate``) and its recovery; fsync
+    and synchronous_commit stay on (the exactly-once path never trades durability)."""
+    expected = {"wal_compression": "lz4", "checkpoint_timeout": "15min", "max_wal_size": "4GB",
+                "fsync": "on", "synchronous_commit": "on", "full_page_writes": "on"}
+
+    def settings() -> dict[str, str]:
+        with psycopg.connect(private_services.database_url, autocommit=True) as conn:
+            rows = conn.execute("SELECT k, current_setting(k) FROM unnest(%s::text[]) AS k",
+                                (list(expected),)).fetchall()
+        return dict(rows)
+
+    assert settings() == expected
+    private_services.stop("postgres", immediate=True)
+    private_services.start("postgres")
+    assert settings() == expected
+
+
 def test_postgres_outage_while_a_stage_commits_releases_the_claim_not_waits_for_the_lease(
         private_services: PrivateServices, private_settings: Settings,
         private_procs: ProcessRunner, tmp_path: Path) -> None:

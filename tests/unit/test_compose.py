@@ -83,3 +83,26 @@ def test_topics_are_created_at_start_up_with_configurable_partitions() -> None:
         assert svc["depends_on"]["init"]["condition"] == "service_completed_successfully"
         assert (svc["environment"]["JOBSTREAM_TOPIC_PARTITIONS"]
                 == init["environment"]["JOBSTREAM_TOPIC_PARTITIONS"])
+
+
+#: The Postgres settings both ways of running the services pass (scripts/services.sh's generated
+#: ``jobstream.conf`` and the compose file's ``postgres -c``): the WAL settings of perf-pg9
+#: (bench/README.md "Postgres WAL and CPU per job") and logical decoding for Debezium.
+PG_SETTINGS = ("wal_level", "max_replication_slots", "wal_compression", "checkpoint_timeout",
+               "max_wal_size")
+
+
+def _services_sh_pg_settings() -> dict[str, str]:
+    script = (COMPOSE.parent / "scripts" / "services.sh").read_text()
+    conf = script.split("write_pg_config() {", 1)[1].split("\nEOF\n", 1)[0]
+    found = dict(re.findall(r"^(\w+) = '?([^'\n]*?)'?$", conf, re.MULTILINE))
+    return {k: found[k] for k in PG_SETTINGS if k in found}
+
+
+def test_compose_postgres_has_the_settings_of_services_sh() -> None:
+    words = _compose()["services"]["postgres"]["command"]
+    flags = dict(w.split("=", 1) for i, w in enumerate(words) if i and words[i - 1] == "-c")
+    ours = _services_sh_pg_settings()
+    assert set(ours) == set(PG_SETTINGS)  # every setting is in the generated jobstream.conf
+    assert {k: flags.get(k) for k in PG_SETTINGS} == ours
+    assert ours["wal_compression"] == "lz4"

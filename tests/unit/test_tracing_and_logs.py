@@ -156,6 +156,67 @@ def test_message_scope_reads_kafka_headers() -> None:
         assert span is not None and span.parent_id is None
 
 
+def _reference_scope(headers, *, stage=None, group=None, start_trace=False):  # type: ignore[no-untyped-def]
+    """message_scope as it was before perf-faust9 (three generator context managers and a
+    dict of every header): the behaviour the one-object version must keep."""
+    from collections.abc import Mapping
+    from contextlib import ExitStack
+
+    items = headers.items() if isinstance(headers, Mapping) else (headers or [])
+    h = {}
+    for k, v in items:
+        if isinstance(v, bytes):
+            v = v.decode("utf-8", errors="replace")
+        h[str(k)] = str(v) if v is not None else ""
+    span = tracing.continue_from(h.get(tracing.HEADER), start_if_missing=start_trace)
+    stack = ExitStack()
+    stack.enter_context(tracing.use(span))
+    stack.enter_context(logs.log_context(
+        request_id=h.get("request_id"), job_id=h.get("job_id"), tenant=h.get("tenant_id"),
+        event_type=h.get("event_type"), stage=stage, group=group))
+    return stack, span
+
+
+def test_message_scope_matches_the_reference_on_random_headers() -> None:
+    """Every header set (names repeated, null / non-UTF-8 / non-bytes values, dict or pairs,
+    inside an outer context or not) gives the context, span and restore the reference gives;
+    span ids are random, so spans compare by trace, parent and flags."""
+    import random
+
+    rng = random.Random(12)
+    names = ["request_id", "job_id", "tenant_id", "event_type", "traceparent", "other",
+             "retry_count", "Job_Id"]
+    values: list[object] = [b"r-1", b"j-2", b"\xff\xfe", None, b"", SPEC.encode(), SPEC,
+                            SPEC.upper().encode(), 7, "text", b"00-" + b"0" * 32 + b"-" + b"1" * 16
+                            + b"-01"]
+    for _ in range(3000):
+        pairs = [(rng.choice(names), rng.choice(values)) for _ in range(rng.randint(0, 7))]
+        headers: object = (dict(pairs) if rng.random() < 0.3 else pairs) if pairs or \
+            rng.random() < 0.5 else None
+        kw = {"stage": rng.choice([None, "llm"]), "group": rng.choice([None, "g", ""]),
+              "start_trace": rng.random() < 0.5}
+        outer = rng.choice([{}, {"job_id": "outer", "x": "1"}])
+        with logs.log_context(**outer):
+            before = (logs.current_context(), tracing.current())
+            stack, want_span = _reference_scope(headers, **kw)
+            with stack:
+                want = logs.current_context()
+                want_current = tracing.current()
+            with logs.message_scope(headers, **kw) as got_span:
+                got = logs.current_context()
+                got_current = tracing.current()
+            after = (logs.current_context(), tracing.current())
+
+        def key(span: tracing.SpanContext | None) -> object:
+            return None if span is None else (span.trace_id if span.parent_id else "root",
+                                              span.parent_id, span.flags)
+
+        assert got == want, (headers, kw)
+        assert key(got_span) == key(want_span) and got_current is got_span, (headers, kw)
+        assert key(want_current) == key(want_span)
+        assert after == before
+
+
 def test_handler_formats_and_rejects_unknown() -> None:
     assert isinstance(logs.handler("json").formatter, logs.JsonFormatter)
     assert logs.handler("text").formatter._fmt == logs.TEXT_FORMAT  # type: ignore[union-attr]

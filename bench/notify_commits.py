@@ -10,9 +10,11 @@ through its WAL flush, so those commits cannot share a flush (group commit). Eac
 relay's real insert (``outbox_insert``) for ``--seconds``, arms alternated for ``--rounds``:
 
 * ``in``: the outbox trigger as migrated (a NOTIFY in the writing transaction);
-* ``after``: the trigger disabled; after each commit the writer sends the NOTIFY in a
-  transaction of its own with ``synchronous_commit`` off (it waits for no flush, so holds the
-  queue lock for microseconds), the shape of a post-commit wake-up;
+* ``after``: what jobstream's writers do since perf-notify9 (migration 0039): the session sets
+  ``jobstream.outbox_notify=after_commit`` (the trigger skips its NOTIFY) and after each commit
+  wakes the relay with :func:`jobstream.store.wake_relay` (the NOTIFY in a transaction of its
+  own with ``synchronous_commit`` off: it waits for no flush, so holds the queue lock for
+  microseconds);
 * ``none``: the trigger disabled and no NOTIFY (the relay would have to poll): the ceiling.
 
     python3 -m bench.notify_commits --writers 8 --seconds 5 --rounds 2
@@ -38,6 +40,7 @@ from psycopg.types.json import Jsonb
 
 from bench.common import base_parser, emit, fresh_database, log, machine
 from jobstream.db import QUERIES as Q
+from jobstream.store import outbox_notify_option, wake_relay
 
 ARMS = ("in", "after", "none")
 
@@ -46,7 +49,8 @@ def _writer(
     url: str, arm: str, rows: int, stop: threading.Event, counts: list[int], i: int
 ) -> None:
     payload = b'{"k": "v"}' * 60  # ~600 bytes, as bench.relay's rows
-    with psycopg.connect(url) as conn:
+    mode = "after_commit" if arm == "after" else "in_transaction"
+    with psycopg.connect(url, options=outbox_notify_option(mode)) as conn:
         while not stop.is_set():
             params = [
                 (
@@ -63,19 +67,17 @@ def _writer(
                 cur.executemany(Q["outbox_insert"], params)
             conn.commit()
             counts[i] += 1
-            if arm == "after":  # constant statements, no input
-                conn.execute("SET LOCAL synchronous_commit TO off")
-                conn.execute("SELECT pg_notify('outbox_v1', '')")
-                conn.commit()
+            if arm == "after":
+                wake_relay(conn)
 
 
 def run_arm(url: str, arm: str, writers: int, rows: int, seconds: float) -> dict[str, Any]:
     """One arm for ``seconds``: commits/s, rows/s and the writers' wait events (% of samples)."""
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(
-            "ALTER TABLE outbox ENABLE TRIGGER outbox_notify_v1"
-            if arm == "in"
-            else "ALTER TABLE outbox DISABLE TRIGGER outbox_notify_v1"
+            "ALTER TABLE outbox DISABLE TRIGGER outbox_notify_v1"
+            if arm == "none"
+            else "ALTER TABLE outbox ENABLE TRIGGER outbox_notify_v1"
         )
     stop, counts = threading.Event(), [0] * writers
     threads = [

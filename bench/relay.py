@@ -59,6 +59,7 @@ from typing import Any
 import orjson
 import psycopg
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from bench.common import (
@@ -80,7 +81,13 @@ from jobstream.db import QUERIES as Q
 from jobstream.db import connect
 from jobstream.kafka import base_config, producer_config
 from jobstream.settings import Settings
-from jobstream.store import OutboxMessage, Store, outbox_message
+from jobstream.store import (
+    OutboxMessage,
+    Store,
+    outbox_message,
+    outbox_notify_option,
+    wake_relay,
+)
 from outbox_relay.relay import narrow_batch_bytes
 from schemas.events import TextExtracted, TextExtractedPayload
 
@@ -107,10 +114,14 @@ def _writer(url: str, topic: str, count: int, rows_per_tx: int, interval: float,
             start_at: float, offset: float) -> dict[str, float]:
     """One writer: ``count`` outbox rows, ``rows_per_tx`` per transaction, one transaction
     every ``interval`` seconds from wall time ``start_at + offset`` (0: as fast as it goes).
-    Returns event id -> wall time right after its COMMIT returned."""
+    Returns event id -> wall time right after its COMMIT returned. The writers wake the relay
+    as a Store's transactions do (``JOBSTREAM_OUTBOX_NOTIFY``, default ``after_commit``: after
+    each commit, :func:`jobstream.store.wake_relay`; ``in_transaction``: the trigger's NOTIFY)."""
     msgs = [make_message(topic) for _ in range(count)]  # built before the clock starts
     mine: dict[str, float] = {}
-    with connect(url) as conn:
+    notify = Settings().outbox_notify
+    with psycopg.connect(url, row_factory=dict_row, connect_timeout=10,
+                         options=outbox_notify_option(notify)) as conn:
         # The parameters of Store.add_outbox's statement (outbox_insert), built before the
         # clock too: the offer loop only inserts and commits (one round trip for a
         # transaction's rows, executemany's pipeline), so a writer process offers more
@@ -135,6 +146,8 @@ def _writer(url: str, topic: str, count: int, rows_per_tx: int, interval: float,
             with conn.transaction(), conn.cursor() as cur:
                 cur.executemany(Q["outbox_insert"], params[done:done + rows_per_tx])
             now = time.time()
+            if notify == "after_commit":
+                wake_relay(conn)
             for m in batch:
                 mine[m.headers["event_id"]] = now
             done += len(batch)

@@ -13,6 +13,8 @@ done, its completion not written, the job row locked), ``stage_inside_claim_tran
 two-transaction stage's claim made, its transaction not committed, the job row locked),
 ``stage_after_commit_before_offset``,
 ``intake_batch_before_commit`` (an intake batch's intents written, its transaction not committed),
+``outbox_after_commit_before_wake`` (a Store transaction that wrote outbox rows committed, the
+relay not woken yet: :func:`jobstream.store.wake_relay`),
 ``relay_after_produce_before_mark`` (also ``relay_after_produce_before_mark:<event_type>``, hit
 once per event type in the batch), ``consumer_after_apply_before_offset``,
 ``consumer_inside_transaction`` (the idempotent consumer's handler ran, its transaction, with
@@ -34,6 +36,7 @@ POINTS = (
     "stage_inside_claim_transaction",
     "stage_after_commit_before_offset",
     "intake_batch_before_commit",
+    "outbox_after_commit_before_wake",
     "relay_after_produce_before_mark",
     "consumer_after_apply_before_offset",
     "consumer_inside_transaction",

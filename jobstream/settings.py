@@ -323,6 +323,16 @@ class Settings(BaseSettings):
     relay_poll_interval_s: float = Field(
         1.0, gt=0, description="Relay polling fallback when no NOTIFY arrives (seconds)."
     )
+    outbox_notify: Literal["after_commit", "in_transaction"] = Field(
+        "after_commit", description="How jobstream's processes wake the relay for the outbox "
+                                    "rows they commit: after_commit (a NOTIFY after the commit, "
+                                    "in a transaction of its own committed asynchronously; a "
+                                    "writer killed in between leaves its rows to the relay's "
+                                    "poll) or in_transaction (the outbox trigger's NOTIFY in "
+                                    "the writing transaction, which serialises notifying "
+                                    "commits server-wide through their WAL flush; migration "
+                                    "0039, bench/README.md relay ninth pass)."
+    )
     relay_lock_timeout_s: float = Field(
         120.0, ge=3, description="Relay: Postgres ends the active relay's lock session after "
                                  "this long without a statement (idle_session_timeout; the "

@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
@@ -22,6 +24,7 @@ from typing import Any, TypeVar
 
 import orjson
 import psycopg
+from psycopg.pq import ExecStatus, TransactionStatus
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb, set_json_loads
 from psycopg_pool import ConnectionPool
@@ -343,6 +346,78 @@ def _completion(chunks: bool, answers: bool) -> str:
     return ",\n".join([head, *extra]) + sep + tail
 
 
+log = logging.getLogger(__name__)
+
+#: The values of the ``outbox_notify`` setting: ``after_commit`` (a Store's connections wake
+#: the relay after each commit that wrote outbox rows, the outbox trigger skips its NOTIFY in
+#: their sessions; migration 0039) or ``in_transaction`` (the trigger's NOTIFY, inside the
+#: writing transaction, as before 0039).
+OUTBOX_NOTIFY_MODES = ("after_commit", "in_transaction")
+
+#: The named queries that insert outbox rows from a Store's transactions: each call site marks
+#: its connection (:func:`outbox_written`). ``tests/unit/test_outbox_wake.py`` fails when a
+#: query of ``queries.sql`` inserts into the outbox and is neither here nor run outside Store
+#: (``debezium_handover``).
+OUTBOX_WRITES = frozenset({"outbox_insert", "intake_batch_outbox_insert", "complete_stage_emit"})
+
+#: Connections whose open transaction wrote outbox rows (:func:`outbox_written`); the Store
+#: that handed the connection out wakes the relay once that transaction committed
+#: (:meth:`Store.connection`). Weak: a connection closed meanwhile simply leaves.
+_OUTBOX_WRITTEN: weakref.WeakSet[Conn] = weakref.WeakSet()
+
+
+def outbox_written(conn: Conn) -> None:
+    """Note that ``conn``'s open transaction wrote outbox rows (one of
+    :data:`OUTBOX_WRITES`): :meth:`Store.connection` wakes the relay after it commits. A
+    rolled-back transaction's mark is dropped; a mark on a connection no Store handed out
+    does nothing (its session has no ``jobstream.outbox_notify``, so the trigger NOTIFYs)."""
+    _OUTBOX_WRITTEN.add(conn)
+
+
+def outbox_notify_option(mode: str) -> str:
+    """The libpq ``options`` that make a session wake the relay itself after its commits
+    (``mode`` ``after_commit``: the outbox trigger skips its NOTIFY there, migration 0039), or
+    ``""`` (``in_transaction``). Raises ``ValueError`` for another mode."""
+    if mode not in OUTBOX_NOTIFY_MODES:
+        raise ValueError(f"outbox_notify {mode!r}: use one of {OUTBOX_NOTIFY_MODES}")
+    return "-c jobstream.outbox_notify=after_commit" if mode == "after_commit" else ""
+
+
+#: :func:`wake_relay`'s statement as libpq takes it.
+_OUTBOX_WAKE = Q["outbox_wake"].encode()
+
+
+def wake_relay(conn: Conn) -> bool:
+    """Wake the relay after a commit that wrote outbox rows (issue 12, perf-notify9):
+    ``pg_notify('outbox_v1', '')`` in a transaction of its own on ``conn`` (idle, not in a
+    transaction), committed asynchronously (``outbox_wake``), so it holds the notification
+    queue's lock for microseconds where a NOTIFY inside the writing transaction held it
+    through that transaction's WAL flush and serialised every notifying commit server-wide
+    (bench/README.md, relay ninth pass). One round trip; ``conn`` must not be in pipeline
+    mode.
+
+    Returns False, and raises nothing, when it could not be sent (Postgres gone after the
+    commit, the connection broken): a lost wake-up only delays the rows, which the relay's
+    poll (``relay_poll_interval_s``) and its caught-up looks still find (docs/design-notes.md,
+    "The relay's wake-up after the commit")."""
+    faults.point("outbox_after_commit_before_wake")
+    try:
+        # One simple-protocol statement straight on libpq, an implicit transaction of its
+        # own: no BEGIN / COMMIT round trips, and no cursor or autocommit switching in Python
+        # (10-59 vs 67-131 us of client CPU per wake-up at load 14, bench/README.md ninth
+        # pass). psycopg reads the session's transaction status from libpq, so it stays right.
+        with conn.lock:
+            res = conn.pgconn.exec_(_OUTBOX_WAKE)
+    except psycopg.Error as exc:
+        log.debug("relay wake-up not sent (the relay's poll finds the rows): %s", exc)
+        return False
+    if res.status != ExecStatus.TUPLES_OK:
+        log.debug("relay wake-up not sent (the relay's poll finds the rows): %s",
+                  res.error_message.decode(errors="replace"))
+        return False
+    return True
+
+
 #: Postgres' error (SQLSTATE 0A000) for a prepared statement whose result columns changed
 #: (a column added to a table it reads with ``*``): :meth:`Store.tx` retries it.
 STALE_PLAN = "cached plan must not change result type"
@@ -354,8 +429,8 @@ class Store:
     def __init__(self, url: str, *, max_size: int = 8, min_size: int = 0,
                  max_idle_s: float = 30.0, timeout_s: float = 30.0,
                  name: str = "jobstream", check_idle_s: float = 1.0,
-                 prepare_threshold: int | None = 0, plan_cache_mode: str | None = None
-                 ) -> None:
+                 prepare_threshold: int | None = 0, plan_cache_mode: str | None = None,
+                 outbox_notify: str = "after_commit") -> None:
         """A pool of at most ``max_size`` connections (``min_size`` kept open; one idle for
         ``max_idle_s`` seconds is closed, so an idle process gives its connections back);
         callers wait up to ``timeout_s`` seconds for one. ``name`` is the connections'
@@ -364,7 +439,11 @@ class Store:
         out; one reused sooner is not (see ``db_pool_check_idle_s``). A statement is
         prepared on a connection after ``prepare_threshold`` executions on it (0: at once;
         None: never; ``db_prepare_threshold``). ``plan_cache_mode``: the connections'
-        Postgres ``plan_cache_mode`` (None: the server's; ``db_worker_plan_cache_mode``)."""
+        Postgres ``plan_cache_mode`` (None: the server's; ``db_worker_plan_cache_mode``).
+        ``outbox_notify``: ``after_commit`` (the connections wake the relay after each commit
+        that wrote outbox rows, :func:`wake_relay`) or ``in_transaction`` (the outbox
+        trigger's NOTIFY inside the transaction); the ``outbox_notify`` setting. Raises
+        ``ValueError`` for another value."""
         self.url = url
         self.timeout_s = timeout_s
         self.check_idle_s = check_idle_s
@@ -372,10 +451,13 @@ class Store:
         kwargs: dict[str, Any] = {"row_factory": dict_row, "connect_timeout": 10,
                                   "application_name": name,
                                   "prepare_threshold": prepare_threshold}
-        if plan_cache_mode is not None:  # set at connect: no statement per connection
+        self.wakes_relay = outbox_notify == "after_commit"
+        options = [outbox_notify_option(outbox_notify)]
+        if plan_cache_mode is not None:
+            options.append(f"-c plan_cache_mode={plan_cache_mode}")
+        if any(options):  # set at connect: no statement per connection
             given = psycopg.conninfo.conninfo_to_dict(url).get("options")  # the URL's kept
-            kwargs["options"] = " ".join(filter(None, [
-                str(given or ""), f"-c plan_cache_mode={plan_cache_mode}"]))
+            kwargs["options"] = " ".join(filter(None, [str(given or ""), *options]))
         self.pool: ConnectionPool[Conn] = ConnectionPool(
             url, min_size=min_size, max_size=max_size, connection_class=Conn,
             max_idle=max_idle_s, open=True, kwargs=kwargs, check=self._check,
@@ -397,20 +479,34 @@ class Store:
                    name=f"jobstream-{process}", check_idle_s=settings.db_pool_check_idle_s,
                    prepare_threshold=settings.db_prepare_threshold,
                    plan_cache_mode=(settings.db_worker_plan_cache_mode
-                                    if process == "worker" else None))
+                                    if process == "worker" else None),
+                   outbox_notify=settings.outbox_notify)
 
     @contextmanager
     def connection(self) -> Iterator[Conn]:
         """A pooled connection (no transaction); reports to the process's readiness
         (:mod:`jobstream.health`). Raises ``psycopg.OperationalError`` (``PoolTimeout``
-        included) when none can be had within ``timeout_s``."""
+        included) when none can be had within ``timeout_s``.
+
+        When the caller's block ends without an exception, its transaction committed and it
+        wrote outbox rows (:func:`outbox_written`), the relay is woken (:func:`wake_relay`)
+        before the connection goes back to the pool: every Store transaction that writes the
+        outbox (``tx``, ``intake``, ``intake_batch``) commits inside this block."""
         try:
             with self.pool.connection(timeout=self.timeout_s) as conn:
                 health.ok()
                 try:
                     yield conn
+                except BaseException:
+                    _OUTBOX_WRITTEN.discard(conn)  # rolled back (or the pool rolls it back)
+                    raise
                 finally:
                     self._last_used[id(conn)] = time.monotonic()
+                if conn in _OUTBOX_WRITTEN:
+                    _OUTBOX_WRITTEN.discard(conn)
+                    if (self.wakes_relay
+                            and conn.info.transaction_status == TransactionStatus.IDLE):
+                        wake_relay(conn)
         except psycopg.OperationalError as exc:
             if not isinstance(exc, psycopg.errors.QueryCanceled):  # a timeout is not an outage
                 health.failed(exc)
@@ -470,6 +566,7 @@ class Store:
         conn.execute(Q["outbox_insert"], (msg.topic, msg.key, msg.value,
                                           Jsonb(Store._outbox_headers(conn, msg, ev)),
                                           ev["event_id"], ev["event_type"]))
+        outbox_written(conn)
 
     @staticmethod
     def _outbox_headers(conn: Conn, msg: OutboxMessage, ev: dict[str, Any]
@@ -749,6 +846,7 @@ class Store:
             [m.topic for m in msgs], [m.key for m in msgs], [m.value for m in msgs],
             [json.dumps(m.headers) for m in msgs], [m.headers["event_id"] for m in msgs],
             [m.headers["event_type"] for m in msgs]))
+        outbox_written(conn)
 
     def _intake_alone(self, it: IntakeIntent) -> IntakeResult | Exception:
         """:meth:`intake` of one intent of a batch whose commit failed; its exception returned."""
@@ -1089,6 +1187,7 @@ class Store:
             "next_event_id": ev["event_id"], "next_event_type": ev["event_type"],
             "group": group, "dedup_key": claim.job.dedup_key, "event_type": event_type,
             "event_id": event_id}).fetchone()
+        outbox_written(conn)
         if row is None or row["completed"] != 1:
             raise StaleRun(f"stage {claim.stage} of job {job_id}: run {claim.run_token} "
                            "was fenced off; result discarded")

@@ -65,6 +65,7 @@ OWNER = {
     "llm_after_provider_before_checkpoint": "worker",
     "stage_inside_one_transaction": "worker",
     "stage_after_commit_before_offset": "worker",
+    "outbox_after_commit_before_wake": "worker",
     "relay_after_produce_before_mark": "relay",
     "consumer_after_apply_before_offset": "consume-ready",
     "consumer_inside_transaction": "consume-ready",

@@ -661,6 +661,13 @@ SELECT 1 FROM processed_event
 INSERT INTO outbox (topic, kafka_key, payload, headers, event_id, event_type)
 VALUES (%s, %s, %s, %s, %s, %s);
 
+-- name: outbox_wake
+-- The relay's wake-up after a commit that wrote outbox rows (Store, migration 0039): run in a
+-- transaction of its own (autocommit), committed asynchronously: it changes no data, so it need
+-- not wait for a WAL flush, and holds the notification queue's lock for microseconds instead of
+-- through the writer's fsync. 'outbox_v1' is the relay's channel (outbox_relay.relay.CHANNEL).
+SELECT set_config('synchronous_commit', 'off', true), pg_notify('outbox_v1', '');
+
 -- name: job_trace_id
 -- The trace of a job's events, for an outbox row written with no span in force.
 SELECT trace_id FROM job WHERE job_id = %s;

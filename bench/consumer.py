@@ -205,6 +205,8 @@ def make_consumer(settings: Settings, *, dedup: bool, max_batch: int | None, han
         consumer.settings = consumer.settings.model_copy(update={"apply_lanes": lanes})
     consumer.on(JobReady, topic=settings.topic("job.ready"))(apply_ready)
     if handler == "copy":  # what jobstream.ready_applier.build registers
+        consumer.on_batch(JobReady, prepare=copy_rows, light=True)(apply_ready_rows)
+    elif handler == "copy-models":  # the same rows from the pydantic models (before light)
         consumer.on_batch(JobReady, prepare=copy_rows)(apply_ready_rows)
     elif handler == "copy-in-apply":  # the same rows, formatted in the applying thread
         consumer.on_batch(JobReady)(apply_ready_batch)
@@ -214,6 +216,60 @@ def make_consumer(settings: Settings, *, dedup: bool, max_batch: int | None, han
         consumer._new_events = lambda conn, seen, first: list(seen)  # type: ignore[method-assign]
         consumer._record = lambda conn, event: (1,)  # type: ignore[method-assign]
     return consumer
+
+
+class _Msg:
+    """A fetched message as ``IdempotentConsumer._decode_all`` reads it (no broker)."""
+
+    def __init__(self, offset: int, key: bytes, value: bytes) -> None:
+        self._offset, self._key, self._value = offset, key, value
+
+    def topic(self) -> str:
+        return "job.ready"
+
+    def partition(self) -> int:
+        return 0
+
+    def offset(self) -> int:
+        return self._offset
+
+    def key(self) -> bytes:
+        return self._key
+
+    def value(self) -> bytes:
+        return self._value
+
+
+def decode_ahead_micro(settings: Settings, handlers: list[str], *, batch: int = 2000,
+                       rounds: int = 20) -> dict[str, Any]:
+    """CPU microseconds per event of the decode-ahead thread's work on a batch of ``batch``
+    realistic ``job.ready`` (``IdempotentConsumer._decode_all``: decode, key digest, the batch
+    handler's ``prepare``), in this process, no broker or Postgres, for each of ``handlers``
+    (``copy``: light structs; ``copy-models``: pydantic models) alternated ``rounds`` times
+    with the collector tuned as ``run()`` tunes it. Returns the best and the median of each."""
+    import gc
+    import statistics
+
+    msgs = [_Msg(i, str(i).encode(), outbox_message("t", ready_event("acme", i)).value)
+            for i in range(batch)]
+    consumers = {h: make_consumer(settings, dedup=True, max_batch=None, handler=h,
+                                  decode_ahead=True) for h in handlers}
+    times: dict[str, list[float]] = {h: [] for h in handlers}
+    thresholds = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(max(thresholds[0], 50_000), *thresholds[1:])
+    try:
+        for r in range(rounds):
+            for h in handlers[r % len(handlers):] + handlers[:r % len(handlers)]:
+                t0 = time.process_time()
+                out = consumers[h]._decode_all(msgs)  # type: ignore[arg-type]  # duck-typed
+                times[h].append((time.process_time() - t0) / batch * 1e6)
+                del out
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
+    return {h: {"best_us": round(min(v), 2), "median_us": round(statistics.median(v), 2),
+                "rounds_us": [round(x, 2) for x in v]} for h, v in times.items()}
 
 
 def reset_effects(url: str) -> None:
@@ -407,11 +463,14 @@ def main() -> None:
     p.add_argument("--max-batch", type=int,
                    help="override IdempotentConsumer.max_batch (1 = a transaction per message; "
                         "default: ConsumerSettings.batch_size)")
-    p.add_argument("--handler", choices=["copy", "copy-in-apply", "json", "per-event"],
+    p.add_argument("--handler",
+                   choices=["copy", "copy-models", "copy-in-apply", "json", "per-event"],
                    default="copy",
                    help="batch handler: binary rows (one array per table, INSERT ... SELECT "
                         "FROM unnest; binary COPY before consumer6) prepared in the decode-ahead "
-                        "thread (copy_rows + apply_ready_rows, default), the same rows "
+                        "thread from the fast path's structs, no model built (copy_rows + "
+                        "apply_ready_rows, light=True: default), the same from the pydantic "
+                        "models (copy-models: before perf-consumer9), the same rows "
                         "formatted in the applying thread (apply_ready_batch), jsonb "
                         "multi-row INSERTs (apply_ready_batch_json), or none (the per-event "
                         "handler for each new event, pipelined)")
@@ -431,8 +490,17 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3,
                    help="alternate the at-least-once and idempotent runs this many times; "
                         "the best of each is reported")
+    p.add_argument("--decode-micro", metavar="H,H",
+                   help="only measure the decode-ahead thread's CPU per event in-process for "
+                        "these handlers, alternated (e.g. copy,copy-models), and exit")
     args = p.parse_args()
     args.n = int(args.n)
+    if args.decode_micro:
+        emit({"benchmark": "consumer-decode-micro", "machine": machine(),
+              "decode_ahead_us_per_event": decode_ahead_micro(
+                  Settings(), args.decode_micro.split(",")),
+              "loadavg_after": list(os.getloadavg())})
+        return
     result: dict[str, Any] = {"benchmark": "consumer", "machine": machine(),
                               "params": {k: v for k, v in vars(args).items() if k != "plot"},
                               "scenarios": []}

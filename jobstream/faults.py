@@ -9,7 +9,9 @@ which is how tests let a lease expire under a run that is still alive.
 Points: ``llm_chunk_answered_before_save`` (a chunk's answer arrived, its output is not saved
 yet), ``llm_after_provider_before_checkpoint`` (every chunk answered and saved, the ``llm``
 checkpoint not written yet), ``stage_inside_one_transaction`` (a one-transaction stage's work
-done, its completion not written, the job row locked), ``stage_after_commit_before_offset``,
+done, its completion not written, the job row locked), ``stage_inside_claim_transaction`` (a
+two-transaction stage's claim made, its transaction not committed, the job row locked),
+``stage_after_commit_before_offset``,
 ``intake_batch_before_commit`` (an intake batch's intents written, its transaction not committed),
 ``relay_after_produce_before_mark`` (also ``relay_after_produce_before_mark:<event_type>``, hit
 once per event type in the batch), ``consumer_after_apply_before_offset``,
@@ -22,12 +24,14 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from collections import Counter
 
 POINTS = (
     "llm_chunk_answered_before_save",
     "llm_after_provider_before_checkpoint",
     "stage_inside_one_transaction",
+    "stage_inside_claim_transaction",
     "stage_after_commit_before_offset",
     "intake_batch_before_commit",
     "relay_after_produce_before_mark",
@@ -58,4 +62,9 @@ def point(name: str) -> None:
                 raise ValueError(f"JOBSTREAM_FAULT action {action!r}: use kill or stop")
             sig = signal.SIGSTOP if action == "stop" else signal.SIGKILL
             print(f"[fault] {name}: {sig.name} pid {os.getpid()}", file=sys.stderr, flush=True)
-            os.kill(os.getpid(), sig)
+            # To this thread (tgkill), not the process: a process-directed SIGSTOP is taken by
+            # one thread (often the main one), and the caller, not yet woken to stop, ran on
+            # for as long as that thread waited for a CPU: on a loaded machine long enough to
+            # send its transaction's COMMIT (robust11: "stopped inside the claim transaction"
+            # froze after it). A thread-directed stop signal still stops the whole process.
+            signal.pthread_kill(threading.get_ident(), sig)

@@ -127,6 +127,19 @@ def topic_max_message_bytes(settings: Settings, name: str) -> int:
     return settings.kafka_message_max_bytes + extra
 
 
+def topic_config(settings: Settings, name: str) -> dict[str, str]:
+    """The configuration a topic is created with: ``max.message.bytes``
+    (:func:`topic_max_message_bytes`), and for a ``.retry`` topic
+    ``message.timestamp.type=LogAppendTime``: the retry agent bounds a message's wait by its
+    timestamp plus ``retry_cap_s`` (``streams.base.retry_wait_s``), so that timestamp must be
+    the broker's, not a CreateTime a producer may forge (design-notes.md, "A forged
+    retry_not_before_ms")."""
+    config = {"max.message.bytes": str(topic_max_message_bytes(settings, name))}
+    if name.endswith(".retry"):
+        config["message.timestamp.type"] = "LogAppendTime"
+    return config
+
+
 def consumer_config(settings: Settings, group: str, **extra: Any) -> dict[str, Any]:
     """An at-least-once consumer: offsets are stored by hand after the effect's transaction
     commits (``enable.auto.offset.store=false``) and auto-committed from that store."""
@@ -149,9 +162,8 @@ def topic_partitions(settings: Settings, name: str) -> int:
 
 def ensure_topics(settings: Settings, timeout_s: float = 30.0) -> list[str]:
     """Create missing topics (partitions (:func:`topic_partitions`) and replication from
-    settings, ``max.message.bytes``
-    from :func:`topic_max_message_bytes`); returns those created. Existing topics keep their
-    configuration.
+    settings, configuration from :func:`topic_config`); returns those created. Existing topics
+    keep their configuration.
 
     Raises ``KafkaException`` when the broker refuses or does not answer within ``timeout_s``.
     """
@@ -163,7 +175,7 @@ def ensure_topics(settings: Settings, timeout_s: float = 30.0) -> list[str]:
     futures = admin.create_topics(
         [NewTopic(t, num_partitions=topic_partitions(settings, t),
                   replication_factor=settings.topic_replication,
-                  config={"max.message.bytes": str(topic_max_message_bytes(settings, t))})
+                  config=topic_config(settings, t))
          for t in wanted],
         operation_timeout=timeout_s)
     created = []

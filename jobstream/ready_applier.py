@@ -27,6 +27,7 @@ from jobstream import faults, health, logs
 from jobstream.db import QUERIES as Q
 from jobstream.kafka import base_config
 from jobstream.settings import Settings
+from schemas import fastpath
 from schemas.events import JobReady
 
 GROUP = "downstream-ready-applier"
@@ -108,12 +109,15 @@ def _numeric(value: float) -> bytes:
     return _NUMERIC_OID + _I32.pack(len(data)) + data
 
 
-def copy_rows(ev: JobReady) -> tuple[bytes, bytes]:
+def copy_rows(ev: JobReady | fastpath.Ready) -> tuple[bytes, bytes]:
     """The binary rows of one ``job.ready``: ``(analysis row, charge row)``, each one array
     element (its length, then a ``downstream.ready_analysis_row`` / ``ready_charge_row``
     composite in binary), with the same values :func:`apply_ready` inserts (the charge through
-    ``Decimal(repr(x))``). Pure Python with no connection: the consumer runs it in its
-    decode-ahead thread (``@consumer.on_batch(JobReady, prepare=copy_rows)``). Raises
+    ``Decimal(repr(x))``). ``ev``: the model, or the fast path's checked struct
+    (:func:`schemas.fastpath.decode_ready`: the same attribute names and values, so the same
+    bytes; ``occurred_at`` is not read). Pure Python with no connection: the consumer runs it
+    in its decode-ahead thread (``@consumer.on_batch(JobReady, prepare=copy_rows,
+    light=True)``: no model is built for the batch path). Raises
     ``UnicodeEncodeError`` (a string that is not valid Unicode) or ``ValueError`` (a charge
     that is not finite); the batch is then split and the event applied alone by
     :func:`apply_ready`. (The name is from when these were binary ``COPY`` rows.)"""
@@ -259,9 +263,10 @@ def idempotent_consumer(settings: Settings, *, group: str, topics: list[str],
 def build(settings: Settings) -> IdempotentConsumer:
     """The ready applier as an :class:`IdempotentConsumer` on ``job.ready``: per event
     :func:`apply_ready`, per batch :func:`apply_ready_rows` of the :func:`copy_rows` the
-    decode-ahead thread prepared (``@consumer.on_batch(JobReady, prepare=copy_rows)``)."""
+    decode-ahead thread prepared from the fast path's structs, no model built
+    (``@consumer.on_batch(JobReady, prepare=copy_rows, light=True)``)."""
     consumer = idempotent_consumer(settings, group=settings.group(GROUP), topics=[],
                                    event_types=())
     consumer.on(JobReady, topic=settings.topic("job.ready"))(apply_ready)
-    consumer.on_batch(JobReady, prepare=copy_rows)(apply_ready_rows)
+    consumer.on_batch(JobReady, prepare=copy_rows, light=True)(apply_ready_rows)
     return consumer

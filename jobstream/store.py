@@ -152,6 +152,10 @@ class ProviderBudget:
 
 #: The names a stage's ``READS`` may hold besides ``output:<stage>`` (:meth:`Store.claim`).
 _READS = frozenset({"document", "chunks", "budget"})
+#: The shortest idle limit a claim's transaction gets (seconds): its lease, but at least this,
+#: so a lease shorter than a round trip (a test's lease made to expire at once) does not end
+#: the claiming session between its own statements.
+CLAIM_IDLE_FLOOR_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -782,13 +786,24 @@ class Store:
 
         A claim that takes the stage over closes the orphan attempts of the runs it replaces
         (``abandoned``, see :meth:`close_orphans`).
+
+        The claim's transaction holds the job's row lock until it commits, so it is bounded as
+        :meth:`claim_and_complete`'s (robust11; breaker10 left the two-transaction claims of a
+        PDF's extract and a remote provider's llm stage without a limit): idle at most
+        ``lease_s`` seconds (``idle_in_transaction_session_timeout``), and as long with its
+        answer unread (``tcp_user_timeout``, Linux: the answer carries the document), both set
+        by the claim's statement. A process frozen inside it (SIGSTOP, a VM pause) loses its
+        session, the claim rolls back and the lock is released, so another worker takes the
+        stage; psycopg then raises ``OperationalError`` in the frozen one, an outage for it.
         """
         with self.tx() as conn:
-            return self._claim_in(conn, job_id=job_id, stage=stage, group=group,
-                                  dedup_key=dedup_key, event_type=event_type,
-                                  event_id=event_id, lease_s=lease_s,
-                                  code_version=code_version, generation=generation,
-                                  reads=reads)
+            got = self._claim_in(conn, job_id=job_id, stage=stage, group=group,
+                                 dedup_key=dedup_key, event_type=event_type,
+                                 event_id=event_id, lease_s=lease_s,
+                                 code_version=code_version, generation=generation,
+                                 reads=reads, idle_limit=True)
+            faults.point("stage_inside_claim_transaction")
+            return got
 
     def claim_and_complete(self, work: Callable[[Claim], dict[str, Any]], **claim_kw: Any
                            ) -> tuple[Claim | Skip | Done | LeaseHeld, Exception | None]:
@@ -895,9 +910,10 @@ class Store:
                   dedup_key: str, event_type: str, event_id: uuid.UUID, lease_s: float,
                   code_version: str, generation: int = 0, reads: tuple[str, ...] = (),
                   idle_limit: bool = False) -> Claim | Skip | Done | LeaseHeld:
-        """:meth:`claim` in the caller's transaction; ``idle_limit``: the transaction goes on
-        under the job's row lock (one transaction), so it may stay idle at most ``lease_s``
-        (set by the claim's statement, see :meth:`claim_and_complete`)."""
+        """:meth:`claim` in the caller's transaction; ``idle_limit``: the transaction may stay
+        idle (or leave its answer unread) at most ``lease_s`` (at least
+        :data:`CLAIM_IDLE_FLOOR_S`) while it holds the job's row lock (set by the claim's
+        statement, see :meth:`claim` and :meth:`claim_and_complete`)."""
         # The job lock, the duplicate check and the stage's claim in one round trip: the
         # claim is made only when the checks below would let it go on (claim_job_and_stage),
         # and then returns what the stage reads too (``reads``, migration 0036).
@@ -908,7 +924,8 @@ class Store:
             "job_id": job_id, "group": group, "dedup_key": dedup_key,
             "event_type": event_type, "stage": stage, "run_token": uuid.uuid4(),
             "lease_s": lease_s, "code_version": code_version, "generation": generation,
-            "idle_ms": str(int(float(lease_s) * 1000)) if idle_limit else None,
+            "idle_ms": (str(int(max(float(lease_s), CLAIM_IDLE_FLOOR_S) * 1000))
+                        if idle_limit else None),
             "reads": list(reads)}).fetchone()
         if row is None:
             return Skip("unknown_job")

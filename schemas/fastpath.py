@@ -20,6 +20,12 @@ as ``str.isprintable()``, which refuses more); counts are bounded to int8 (``big
 digits (msgspec rounds them, pydantic truncates). ``tests/unit/test_decode_fastpath.py``
 checks the equivalence (fields and bounds against the models' JSON Schema; edge values of every
 field; hypothesis-mutated events and bytes): a change to ``JobReady`` not made here fails it.
+
+:func:`decode_ready` stops before the models: it returns the checked :class:`Ready` struct (the
+models' attribute names and values, ``occurred_at`` as text), which :func:`to_model` turns into
+the same models later, if ever. The idempotent consumer's batch path reads only fields, so
+for a batch handler whose ``prepare`` takes the struct (``on_batch(..., light=True)``) it
+builds no model unless a handler or hook asks for one.
 """
 
 from __future__ import annotations
@@ -137,15 +143,26 @@ def _occurred_at(text: str) -> dt.datetime | None:
         return None
 
 
-def decode_job_ready(raw: bytes) -> JobReady | None:
-    """The :class:`~schemas.events.JobReady` of the JSON text ``raw`` (bytes), or ``None`` when
-    this fast path does not show it valid (the caller then validates it with pydantic, which
-    decides and says why). Never raises for any input."""
+def decode_ready(raw: bytes) -> Ready | None:
+    """The :class:`Ready` struct of the JSON text ``raw`` (bytes) when this fast path shows it
+    valid, else ``None`` (the caller then validates it with pydantic, which decides and says
+    why). Every check of :func:`decode_job_ready` is made here, so a struct returned is exactly
+    an event :func:`to_model` turns into the :class:`~schemas.events.JobReady` pydantic gives:
+    the same attribute names and values, except ``occurred_at``, which the struct keeps as its
+    (checked) RFC 3339 text. For readers that need only fields, such as the ready applier's
+    batch rows (``jobstream.ready_applier.copy_rows``): the three models (~3 us per event)
+    are then never built. Never raises for any input."""
+    got = _checked(raw)
+    return None if got is None else got[0]
+
+
+def _checked(raw: bytes) -> tuple[Ready, dt.datetime] | None:
+    """:func:`decode_ready`'s struct with its parsed ``occurred_at``, or ``None``."""
     try:
         ev = _DECODER.decode(raw)
     except (msgspec.DecodeError, ValueError, TypeError, RecursionError):
         return None
-    p, r = ev.payload, ev.payload.result
+    p = ev.payload
     # The patterns, by str methods (each ~50 ns; msgspec's Meta(pattern=) calls re.search, ~2 us
     # for the six). isprintable() is stricter than "no control character" (it refuses other
     # non-printing characters too): those events go to pydantic, which decides.
@@ -159,8 +176,31 @@ def decode_job_ready(raw: bytes) -> JobReady | None:
     ):
         return None
     when = _occurred_at(ev.occurred_at)
+    return None if when is None else (ev, when)
+
+
+def decode_job_ready(raw: bytes) -> JobReady | None:
+    """The :class:`~schemas.events.JobReady` of the JSON text ``raw`` (bytes), or ``None`` when
+    this fast path does not show it valid (the caller then validates it with pydantic, which
+    decides and says why). Never raises for any input."""
+    got = _checked(raw)
+    return None if got is None else _build(*got)
+
+
+def to_model(ev: Ready) -> JobReady:
+    """The :class:`~schemas.events.JobReady` of a struct :func:`decode_ready` returned (frozen
+    models holding the struct's values, as ``validate_json`` of the same text gives them).
+    Raises ``ValueError`` for a struct whose ``occurred_at`` that function would have refused
+    (a struct it did not return)."""
+    when = _occurred_at(ev.occurred_at)
     if when is None:
-        return None
+        raise ValueError(f"occurred_at {ev.occurred_at!r} is not an RFC 3339 time")
+    return _build(ev, when)
+
+
+def _build(ev: Ready, when: dt.datetime) -> JobReady:
+    """The three models of ``ev`` (checked) with ``occurred_at`` = ``when``."""
+    p, r = ev.payload, ev.payload.result
     result = _model(
         DocumentAnalysis,
         {

@@ -29,6 +29,7 @@ until acknowledged), whatever the agent's concurrency.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import random
@@ -85,6 +86,29 @@ def retry_delay_s(round_no: int, base_s: float, cap_s: float, retry_after_s: flo
     (Brooker 2015), never shorter than the provider's Retry-After (seconds)."""
     jitter = random.uniform(0, min(cap_s, base_s * 2 ** (round_no - 1)))
     return max(retry_after_s or 0.0, jitter)
+
+
+def retry_wait_s(not_before_ms: str | None, timestamp_s: float | None, now_s: float,
+                 cap_s: float) -> float:
+    """Seconds the retry agent waits before running a ``.retry`` message (0: run now).
+
+    ``not_before_ms``: its ``retry_not_before_ms`` header (Unix ms, text; missing or not a
+    number: run now). ``timestamp_s``: the message's Kafka timestamp (Unix seconds; None or
+    not positive: unknown). The wait ends at the header's time, but never later than the
+    message's timestamp plus ``cap_s`` (a real retry's jitter is at most ``cap_s``,
+    :func:`retry_delay_s`; a longer Retry-After was already cut to ``cap_s`` here), nor
+    later than ``cap_s`` from ``now_s``. A timestamp in the future counts as ``now_s``: a
+    producer's CreateTime can be forged, so ``jobstream topics`` creates ``.retry`` topics with
+    ``message.timestamp.type=LogAppendTime`` (the broker's clock). So forged far-future
+    headers on messages written at time T hold the lane until T + ``cap_s`` at most, all
+    of them together, not ``cap_s`` each one after the other (adv12; design-notes.md, "A
+    forged retry_not_before_ms")."""
+    try:
+        not_before = int(not_before_ms or 0) / 1000
+    except (ValueError, OverflowError):  # forged (e.g. 400 digits): run now
+        return 0.0
+    sent = timestamp_s if timestamp_s is not None and 0 < timestamp_s < now_s else now_s
+    return max(0.0, min(not_before, sent + cap_s) - now_s)
 
 
 def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consumes: str,
@@ -153,20 +177,48 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
         fut = await retry_topic.send(key=msg.key, value=msg.value, headers=headers)
         await fut
 
-    async def process(event: faust.EventT[Any], round_no: int) -> None:
-        """Run one message: round 0 from the main topic, round N>=1 from the retry topic."""
+    async def decode(event: faust.EventT[Any]) -> Any:
+        """The decoded event of a message, or None once the message was dead-lettered (no
+        key, poison)."""
         if event.message.key is None:
             await dead_letter(event, "missing_key", "message has no key (jobstream events are "
                               "keyed by job id, or idempotency key on document.uploaded)")
-            return
+            return None
         try:
             ev = decode_event(event.message.value, expected=consumes,
                               max_bytes=s.kafka_message_max_bytes, max_depth=s.max_json_depth)
         except PoisonMessage as exc:
             await dead_letter(event, exc.code, str(exc))
-            return
+            return None
         logs.bind(request_id=ev.request_id, tenant=ev.tenant_id, event_type=ev.event_type,
                   job_id=getattr(ev, "job_id", None))
+        return ev
+
+    async def process(event: faust.EventT[Any], round_no: int) -> None:
+        """Run one message from the main topic (round 0)."""
+        ev = await decode(event)
+        if ev is not None:
+            await run(event, ev, round_no)
+
+    async def process_retry(event: faust.EventT[Any]) -> None:
+        """Run one message from the retry topic: decoded and validated first (poison is
+        dead-lettered at once, never waited for), then run after its not-before time, bounded
+        by its Kafka timestamp plus ``retry_cap_s`` (:func:`retry_wait_s`)."""
+        try:
+            round_no = max(1, int(_header(event, "retry_count") or 1))
+        except (ValueError, OverflowError):  # forged (e.g. 400 digits): round 1
+            round_no = 1
+        ev = await decode(event)
+        if ev is None:
+            return
+        wait = retry_wait_s(_header(event, "retry_not_before_ms"), event.message.timestamp,
+                            time.time(), s.retry_cap_s)
+        if wait > 0:
+            await asyncio.sleep(wait)
+        await run(event, ev, round_no)
+
+    async def run(event: faust.EventT[Any], ev: Any, round_no: int) -> None:
+        """Run the decoded event ``ev`` of ``event`` (retry round ``round_no``; 0: first)."""
         attempt = 0
         while True:
             try:
@@ -221,12 +273,13 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
     tracker = getattr(app, "completion_tracker", None) or offsets.install(
         app, stuck_after_s=s.sweep_stall_grace_s)
 
-    async def guarded(event: faust.EventT[Any], round_no: int) -> None:
-        """The one guard around a consumed message: whatever escapes decoding, handling or
-        routing is dead-lettered (``unhandled``); the agent never crashes."""
+    async def guarded(event: faust.EventT[Any], body: Callable[[], Awaitable[None]]) -> None:
+        """The one guard around a consumed message (``body()`` processes it): whatever
+        escapes decoding, handling or routing is dead-lettered (``unhandled``); the agent
+        never crashes."""
         try:
             with logs.message_scope(event.message.headers, **scope):
-                await process(event, round_no)
+                await body()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -238,7 +291,7 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
     async def run_one(event: faust.EventT[Any], epoch: int) -> None:
         msg = event.message
         try:
-            await guarded(event, 0)
+            await guarded(event, functools.partial(process, event, 0))
         except asyncio.CancelledError:
             raise  # stopping: not done, so its offset is never committed (redelivered)
         except Exception:  # even the dead letter failed: not done either
@@ -300,15 +353,7 @@ def register_stage_agent(app: faust.App, ctx: StageContext, *, name: str, consum
             epoch = tracker.received(msg.tp, msg.offset)
             await rewind_if_gap(event)
             try:
-                try:
-                    not_before = int(_header(event, "retry_not_before_ms") or 0) / 1000
-                    round_no = max(1, int(_header(event, "retry_count") or 1))
-                except (ValueError, OverflowError):  # forged (e.g. 400 digits): round 1, now
-                    not_before, round_no = 0.0, 1
-                wait = min(not_before - time.time(), s.retry_cap_s)
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                await guarded(event, round_no)
+                await guarded(event, functools.partial(process_retry, event))
             except asyncio.CancelledError:
                 raise  # stopping: not done, its offset is not committed
             tracker.done(msg.tp, msg.offset, epoch)

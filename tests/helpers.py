@@ -386,6 +386,25 @@ def stopped(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
+def assert_jobs_succeed_charged_once(settings: Settings, procs: ProcessRunner, n: int,
+                                     timeout_s: float = 120.0) -> list[dict[str, Any]]:
+    """Wait (up to ``timeout_s`` seconds each) until the database's ``n`` jobs are terminal and
+    the pipeline is drained (:func:`wait_pipeline_drained`); assert each job succeeded and was
+    charged exactly once downstream (``downstream.ledger_charge`` by dedup key). Returns the
+    jobs (``job_id``, ``status``, ``error_code``, ``current_stage``, ``generation``)."""
+    url = settings.database_url
+    wait_for(lambda: query(url, "SELECT count(*) AS n FROM job WHERE status IN "
+                                "('succeeded', 'failed', 'cancelled')")[0]["n"] == n,
+             timeout_s, "jobs terminal", procs.logs)
+    wait_pipeline_drained(settings, procs, timeout_s)
+    st = query(url, "SELECT job_id, status, error_code, current_stage, generation FROM job")
+    assert len(st) == n and all(r["status"] == "succeeded" for r in st), st
+    per_job = query(url, "SELECT (SELECT count(*) FROM downstream.ledger_charge c WHERE "
+                         "c.dedup_key = j.dedup_key) AS c FROM job j")
+    assert [r["c"] for r in per_job] == [1] * n, per_job
+    return st
+
+
 def succeeded_and_applied(url: str, tenant: str) -> tuple[int, int]:
     """``(jobs of tenant succeeded, of those applied downstream)``: the example
     downstream's ``document_analysis`` holds a row of the job's dedup key."""

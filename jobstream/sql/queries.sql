@@ -569,10 +569,10 @@ answered AS (
 -- neither terminal, parked nor cancelled: the checks Store._claim_in makes on the row, in the
 -- same order). ``claim_run_token`` NULL with the checks passed: the stage is leased, done or
 -- terminal (the caller reads it with get_stage).
--- With %(idle_ms)s (ms as text; NULL: no limit, a two-transaction claim) it also sets the
--- transaction's idle limit (one_transaction_idle_limit) from the moment the job row is
--- locked: a process paused past it loses its session, the lock with it (a separate statement
--- before, one round trip per transaction).
+-- With %(idle_ms)s (ms as text; NULL: no limit) it also sets the transaction's idle limit
+-- (one_transaction_idle_limit) from the moment the job row is locked: a process paused past
+-- it loses its session, the lock with it (a separate statement before, one round trip per
+-- transaction). Every stage claim passes it, also a two-transaction claim (robust11).
 -- Issue 12 (perf-stage7): with the claim made, it also returns what the stage reads
 -- (%(reads)s: its READS, text[], '{}' for none) as r_document, r_previous_output, r_chunks and
 -- r_budget, read by the VOLATILE stage_claim_reads (migration 0036) after the job row is

@@ -1,7 +1,8 @@
 """The ready applier's hand-built binary COPY rows (``copy_rows`` + ``apply_ready_rows``) write
 exactly what the per-event ``apply_ready`` inserts, for awkward values; and the consumer
 library's ``on_batch(prepare=...)``: prepared in the decode-ahead thread, a prepare error
-splits the batch and the per-event handler decides that event alone."""
+splits the batch and the per-event handler decides that event alone; with ``light=True``
+``prepare`` gets the fast path's structs while handlers and hooks still get models."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from consumers.idempotent import ConsumerStats, IdempotentConsumer
 from jobstream.db import connect
 from jobstream.errors import PoisonMessage
 from jobstream.producer import produce_raw
@@ -24,6 +26,7 @@ from jobstream.ready_applier import (
     idempotent_consumer,
 )
 from jobstream.settings import Settings
+from schemas import fastpath
 from schemas.events import DocumentAnalysis, JobReady, JobReadyPayload, encode_event
 from tests.helpers import query, read_topic, wait_for
 
@@ -75,27 +78,23 @@ def test_copy_rows_write_what_the_per_event_handler_inserts(database_url: str) -
     assert twice == one
 
 
-def test_prepare_runs_ahead_and_its_error_costs_only_its_event(settings: Settings) -> None:
-    threads: set[str] = set()
-
-    def prepare(ev: JobReady) -> tuple[bytes, bytes]:
-        threads.add(threading.current_thread().name)
-        if ev.payload.filename == "bad":
-            raise ValueError("cannot prepare this one")
-        return copy_rows(ev)
-
-    def handler(conn: psycopg.Connection, ev: JobReady) -> None:
-        if ev.payload.filename == "bad":
-            raise PoisonMessage("refused by the handler", code="refused")
-        apply_ready(conn, ev)
-
-    events = [_ready(n) for n in ("a", "b", "bad", "c")]
+def _ready_consumer(settings: Settings, group: str, events: list[JobReady],
+                    handler: Any, prepare: Any, *, light: bool) -> IdempotentConsumer:
+    """``events`` produced to job.ready (one key: one partition, in order), and a ready
+    consumer in ``group`` with ``handler`` per event and ``apply_ready_rows`` of ``prepare``
+    per batch."""
     produce_raw(settings, settings.topic("job.ready"),
-                [(b"k", encode_event(e)) for e in (*events, events[0], events[1])])
-    consumer = idempotent_consumer(settings, group=settings.group("test-prepare"), topics=[],
+                [(b"k", encode_event(e)) for e in events])
+    consumer = idempotent_consumer(settings, group=settings.group(group), topics=[],
                                    event_types=())
     consumer.on(JobReady, topic=settings.topic("job.ready"))(handler)
-    consumer.on_batch(JobReady, prepare=prepare)(apply_ready_rows)
+    consumer.on_batch(JobReady, prepare=prepare, light=light)(apply_ready_rows)
+    return consumer
+
+
+def _run_until(consumer: IdempotentConsumer, n: int) -> ConsumerStats:
+    """Run ``consumer`` until it has handled ``n`` messages (and 0.5 s more), stop it, and
+    return its counters; asserts that at least one batch of several messages was applied."""
     sizes: list[int] = []
     batch = consumer.process_batch
     consumer.process_batch = lambda msgs: (sizes.append(len(msgs)), batch(msgs))[1]  # type: ignore[method-assign]
@@ -103,14 +102,40 @@ def test_prepare_runs_ahead_and_its_error_costs_only_its_event(settings: Setting
     t.start()
     st = consumer.stats
     try:
-        wait_for(lambda: st.applied + st.duplicates + st.dead_lettered >= 6, 60,
-                 f"6 messages handled (stats {st})")
+        wait_for(lambda: st.applied + st.duplicates + st.dead_lettered >= n, 60,
+                 f"{n} messages handled (stats {st})")
         time.sleep(0.5)
     finally:
         consumer.stop()
         t.join(30)
     assert not t.is_alive()
     assert max(sizes) > 1, f"no batch was formed: {sizes}"
+    return st
+
+
+@pytest.mark.parametrize("light", [False, True])
+def test_prepare_runs_ahead_and_its_error_costs_only_its_event(settings: Settings,
+                                                               light: bool) -> None:
+    threads: set[str] = set()
+    kinds: dict[str, set[type]] = {"prepare": set(), "handler": set()}
+
+    def prepare(ev: JobReady) -> tuple[bytes, bytes]:
+        threads.add(threading.current_thread().name)
+        kinds["prepare"].add(type(ev))
+        if ev.payload.filename == "bad":
+            raise ValueError("cannot prepare this one")
+        return copy_rows(ev)
+
+    def handler(conn: psycopg.Connection, ev: JobReady) -> None:
+        kinds["handler"].add(type(ev))
+        if ev.payload.filename == "bad":
+            raise PoisonMessage("refused by the handler", code="refused")
+        apply_ready(conn, ev)
+
+    events = [_ready(n) for n in ("a", "b", "bad", "c")]
+    consumer = _ready_consumer(settings, "test-prepare", [*events, events[0], events[1]],
+                               handler, prepare, light=light)
+    st = _run_until(consumer, 6)
     assert (st.applied, st.duplicates, st.dead_lettered) == (3, 2, 1)
     rows = query(settings.database_url, "SELECT filename, count(*) AS n FROM "
                  "downstream.document_analysis GROUP BY filename ORDER BY filename")
@@ -121,3 +146,28 @@ def test_prepare_runs_ahead_and_its_error_costs_only_its_event(settings: Setting
     assert [dict(m.headers())["dlq_reason_code"] for m in dlq] == [b"refused"]
     # Prepared in the decode-ahead thread, not in the thread that applies the batch.
     assert threads and all(n.startswith("decode-") for n in threads), threads
+    # light: prepare got the checked structs; the per-event handler the models all the same.
+    assert kinds == {"prepare": {fastpath.Ready if light else JobReady}, "handler": {JobReady}}
+
+
+def test_a_light_batch_builds_models_only_for_hooks(settings: Settings) -> None:
+    """``on_batch(light=True)``: a batch applied whole (duplicates in it) gives the hooks
+    models, and the rows are those of the models."""
+    kinds: dict[str, list[type]] = {"prepare": [], "applied": [], "duplicate": []}
+
+    def prepare(ev: JobReady) -> tuple[bytes, bytes]:
+        kinds["prepare"].append(type(ev))
+        return copy_rows(ev)
+
+    events = [_ready(f"e{i}") for i in range(6)]
+    consumer = _ready_consumer(settings, "test-light", [*events, events[0], events[3]],
+                               apply_ready, prepare, light=True)
+    consumer.hooks.on_applied = lambda ev: kinds["applied"].append(type(ev))
+    consumer.hooks.on_duplicate = lambda ev: kinds["duplicate"].append(type(ev))
+    st = _run_until(consumer, 8)
+    assert (st.applied, st.duplicates, st.dead_lettered) == (6, 2, 0)
+    assert set(kinds["prepare"]) == {fastpath.Ready}
+    assert kinds["applied"] == [JobReady] * 6 and kinds["duplicate"] == [JobReady] * 2
+    rows = query(settings.database_url, "SELECT filename FROM downstream.document_analysis "
+                 "ORDER BY id")
+    assert [r["filename"] for r in rows] == [f"e{i}" for i in range(6)]

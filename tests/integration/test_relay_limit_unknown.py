@@ -29,14 +29,11 @@ from tests.helpers import create_limited_topic, query, read_topic, wait_for
 pytestmark = pytest.mark.integration
 
 
-def test_a_narrow_topic_whose_limit_is_unknown_keeps_the_key_order(settings: Settings) -> None:
-    url, topic = settings.database_url, settings.topic("limit.unknown")
-    create_limited_topic(AdminClient(base_config(settings)), topic, LIMIT)
-    big = {5, 20, 21, 41}
-    _insert(url, topic, list(range(60)), big)
-    # Small record batches (3 rows, ~1 KB: under the topic's limit unless a large row is in
-    # one), as test_topic_recreated_narrower_within_the_grace_keeps_the_key_order has them.
-    s = settings.model_copy(
+def _small_batches(settings: Settings) -> Settings:
+    """``settings`` with small record batches (3 rows, ~1 KB: under the topic's limit unless
+    a large row is in one), as test_topic_recreated_narrower_within_the_grace_keeps_the_key_order
+    has them, so a refused batch has later batches of the partition in flight behind it."""
+    return settings.model_copy(
         update={
             "kafka_extra": {
                 **settings.kafka_extra,
@@ -45,7 +42,14 @@ def test_a_narrow_topic_whose_limit_is_unknown_keeps_the_key_order(settings: Set
             }
         }
     )
-    relay = OutboxRelay(s)
+
+
+def test_a_narrow_topic_whose_limit_is_unknown_keeps_the_key_order(settings: Settings) -> None:
+    url, topic = settings.database_url, settings.topic("limit.unknown")
+    create_limited_topic(AdminClient(base_config(settings)), topic, LIMIT)
+    big = {5, 20, 21, 41}
+    _insert(url, topic, list(range(60)), big)
+    relay = OutboxRelay(_small_batches(settings))
     # The AdminClient that asks max.message.bytes never answers (as one that misses its 2 s
     # under load, or a broker that does not allow DescribeConfigs).
     relay._admin = AdminClient(
@@ -67,3 +71,44 @@ def test_a_narrow_topic_whose_limit_is_unknown_keeps_the_key_order(settings: Set
     assert firsts == want, f"per-key order broken: {got}"
     parked = query(url, "SELECT outbox_id FROM dead_letter ORDER BY outbox_id")
     assert len(parked) == len(big), parked
+
+
+def test_a_narrow_topics_limit_lowered_while_the_admin_client_cannot_answer_keeps_the_key_order(
+        settings: Settings) -> None:
+    """robust11: a narrow topic whose limit the relay KNOWS (6,000 bytes), lowered to 2,000
+    (``kafka-configs --alter``) while the AdminClient cannot answer: the per-batch ask
+    (breaker6) gets no answer, and the relay used to keep the limit it knew, batching under
+    the stale one, so the broker refused a batch for one large row while later batches of the
+    partition went through. Every row the topic takes must arrive once and in outbox order,
+    only the rows over the new limit parked."""
+    from tests.e2e import test_break_relay_narrow_lowered as lowered
+    from tests.helpers import set_topic_config
+
+    url, topic = settings.database_url, settings.topic("limit.stale")
+    was, now, rows, big = lowered.WAS, lowered.NOW, lowered.ROWS, lowered.BIG
+    create_limited_topic(AdminClient(base_config(settings)), topic, was)
+    relay = OutboxRelay(_small_batches(settings))
+    with db_connect(url, autocommit=True) as conn:
+
+        def drained() -> bool:
+            with contextlib.suppress(DeliveryFailed):  # retried: the loop backs off
+                relay.publish_batch(conn)
+            return _unpublished(url) == 0
+
+        _insert(url, topic, [-1])
+        wait_for(drained, 60, "the first row published")
+        assert relay._topic_limits[topic][0] == was, relay._topic_limits
+        set_topic_config(settings, topic, "max.message.bytes", str(now))
+        relay._admin = AdminClient(
+            {"bootstrap.servers": "127.0.0.1:1", "reconnect.backoff.max.ms": 1000, "log_level": 0}
+        )
+        # Rows of one key, the BIG ones over the new limit and under the old one.
+        lowered._insert(url, topic, range(rows))
+        wait_for(drained, 120, "the outbox drained")
+    got = [json.loads(m.value())["n"] for m in read_topic(settings, topic)]
+    want = [-1] + [i for i in range(rows) if i not in big]
+    assert sorted(set(got)) == want, f"lost: {sorted(set(want) - set(got))}; got {got}"
+    assert list(dict.fromkeys(got)) == want, f"per-key order broken: {got}"
+    parked = query(url, "SELECT outbox_id FROM dead_letter ORDER BY outbox_id")
+    assert len(parked) == len(big), parked
+

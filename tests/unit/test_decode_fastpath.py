@@ -3,7 +3,10 @@ whatever the fast path accepts, pydantic accepts with the same values (equal mod
 JSON, the same ``model_fields_set``), so ``decode_event`` gives every input the outcome and
 reason code it gave before. Valid events, edge cases of each field, and hypothesis-mutated
 events; and the two schemas' fields and bounds compared, so a change to ``JobReady`` that is
-not made in the fast path fails here."""
+not made in the fast path fails here. The light form (``decode_ready``: the checked struct,
+no model) is held to the same: a struct exactly when a model, ``to_model`` of it equal to the
+model, the ready applier's rows from it byte for byte those from the model, and
+``decode_event(..., light=...)`` giving every input the outcome it gives without."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
+from jobstream.ready_applier import copy_rows
 from schemas import fastpath
 from schemas.errors import PoisonMessage
 from schemas.events import (
@@ -24,6 +28,7 @@ from schemas.events import (
     DocumentAnalysis,
     JobReady,
     JobReadyPayload,
+    as_model,
     decode_event,
     encode_event,
 )
@@ -62,12 +67,36 @@ def _pydantic(raw: bytes) -> Any:
         return None
 
 
+def _rows(ev: Any) -> Any:
+    """``copy_rows(ev)``, or the type of what it raised (a lone surrogate, a charge that is
+    not finite)."""
+    try:
+        return copy_rows(ev)
+    except (UnicodeEncodeError, ValueError) as exc:
+        return type(exc)
+
+
+def _outcome(raw: bytes, **kw: Any) -> Any:
+    """``decode_event(raw, "job.ready", **kw)`` as the model, or the refusal's code."""
+    try:
+        return as_model(decode_event(raw, "job.ready", **kw))
+    except PoisonMessage as exc:
+        return exc.code
+
+
 def _same(raw: bytes) -> Any:
     """Decode ``raw`` both ways; assert the fast path accepted only what pydantic accepts,
     with equal models. Returns the fast path's event (or None)."""
+    assert _outcome(raw, light=("job.ready",)) == _outcome(raw)
     fast = fastpath.decode_job_ready(raw)
+    light = fastpath.decode_ready(raw)
+    assert (light is None) == (fast is None), raw
     if fast is None:
         return None
+    assert light is not None
+    assert as_model(light) == fastpath.to_model(light) == fast
+    assert as_model(fast) is fast
+    assert _rows(light) == _rows(fast)
     ref = _pydantic(raw)
     assert ref is not None, f"fast path accepted what pydantic refuses: {raw!r}"
     assert fast == ref

@@ -215,6 +215,7 @@ class Marker(threading.Thread):
         super().__init__(name="relay-marker", daemon=True)
         self._conn = connect(url, autocommit=True)
         self._conn.execute(Q["relay_session_async_commit"])
+        self._conn.execute(Q["relay_session_index_plans"])  # as the relay's session
         self._query = Q["outbox_delete_published" if log_published
                         else "outbox_delete_published_nolog"]
         self._log = log_published
@@ -1413,6 +1414,9 @@ class OutboxRelay:
                     backoff = 0.5
                     # The marks commit without waiting for the WAL flush (see mark()).
                     conn.execute(Q["relay_session_async_commit"])
+                    # Index plans only: a generic plan made on a near-empty outbox read the
+                    # whole table per fetch (queries.sql, bench/README.md "relay-plan9").
+                    conn.execute(Q["relay_session_index_plans"])
                     self._reset_pipeline()
                     if not self.housekeeping_only:
                         # The session's first look reads from id 0; a RESTART of the id

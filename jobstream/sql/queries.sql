@@ -689,6 +689,17 @@ SELECT id, topic, kafka_key, payload, headers, event_type FROM outbox
 -- re-publishes rows already delivered (at-least-once; consumers are idempotent).
 SET synchronous_commit TO off;
 
+-- name: relay_session_index_plans
+-- The relay's sessions read and delete outbox rows by id only (an id list, or a range from an
+-- id in id order with a LIMIT): every plan on them is an index scan in id order, whatever the
+-- statistics said when the statement was prepared. psycopg prepares a statement at its 5th
+-- execution and Postgres then keeps one generic plan, made while the outbox was as a relay
+-- starts it (nearly empty, so a sequential scan looked cheapest), until the next ANALYZE:
+-- through a burst that plan read the whole table three times per caught-up fetch (763-1,018
+-- blocks per call; bench/README.md, "relay-plan9"). A bitmap scan is off too: it reads every
+-- row in the range before the sort and LIMIT, the whole backlog for the rows after the last id.
+SELECT set_config('enable_seqscan', 'off', false), set_config('enable_bitmapscan', 'off', false);
+
 -- name: relay_park_sync_commit
 -- Parking a row (dead_letter + failing its job) commits durably, as every stage write does.
 SET LOCAL synchronous_commit TO on;

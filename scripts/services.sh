@@ -903,11 +903,26 @@ SELECT 'CREATE DATABASE jobstream OWNER jobstream'
 SQL
 }
 
+# A running cluster of ours whose generated settings changed (a newer checkout) gets them by a
+# reload, not a restart: nothing running against it is cut off. Settings that need a restart
+# (max_connections, shared_buffers, wal_level...) wait for `restart postgres`; Postgres says
+# so in pg_settings.pending_restart.
+reload_pg_config_if_ours() {
+  local bin
+  [[ -f $PG_DATA/PG_VERSION ]] && bin=$(find_pg_bin) && PG_BIN=$bin && pg_running || return 0
+  write_pg_config || return 0
+  log "postgres: configuration changed; reloading the running cluster (settings that need a restart wait for: scripts/services.sh restart postgres)"
+  as_pg "$PG_BIN/pg_ctl" -D "$PG_DATA" reload >/dev/null 2>&1 9>&- \
+    || warn "postgres: pg_ctl reload failed; the new settings apply at the next restart"
+  PG_RESULT="$DB_URL (already running, configuration reloaded)"
+}
+
 PG_RESULT=
 up_pg() {
   check_port JOBSTREAM_PG_PORT "$PG_PORT"
   if pg_answers "$DB_URL"; then
     PG_RESULT="$DB_URL (already running)"
+    reload_pg_config_if_ours
     return 0
   fi
   ensure_pg_packages
@@ -1033,7 +1048,8 @@ cmd_restart() {
   local foreign=
   case $svc in
     kafka) if ! kafka_our_pid >/dev/null && kafka_answers "$BOOTSTRAP"; then foreign=$BOOTSTRAP; fi ;;
-    postgres) if ! pg_running && pg_answers "$DB_URL"; then foreign=$DB_URL; fi ;;
+    postgres) local bin; bin=$(find_pg_bin) && PG_BIN=$bin
+              if ! pg_running && pg_answers "$DB_URL"; then foreign=$DB_URL; fi ;;
     connect) if ! connect_our_pid >/dev/null && connect_answers; then foreign=$CONNECT_URL; fi ;;
   esac
   [[ -z $foreign ]] || die "$svc at $foreign was not started by this script (JOBSTREAM_HOME=$JOBSTREAM_HOME): nothing to restart here; restart it with what started it, or point JOBSTREAM_HOME at its state"

@@ -1144,6 +1144,16 @@ class IdempotentConsumer:
         except psycopg.errors.UniqueViolation as exc:
             if exc.diag.constraint_name != self._event_id_index:
                 raise
+            # ON CONFLICT arbitrates only the dedup key: when another consumer of the group
+            # inserted this very event concurrently (the same message on two partitions, or
+            # a partition's old and new owner during a rebalance), the insert can wait on
+            # that row's (group, event_id) entry and fail there once it commits. Same event:
+            # a duplicate, not poison (seen under load in
+            # tests/integration/test_consumer_frozen_holder.py).
+            if conn.execute(sql.SQL(SAME_EVENT_RECORDED).format(table=self._table), (
+                    self.group, event.event_id, event.dedup_key,
+                    event.event_type)).fetchone() is not None:
+                return None
             raise PoisonMessage(f"event_id {event.event_id} was already used by another event",
                                 code="event_id_conflict") from None
 
@@ -1168,6 +1178,10 @@ def run_forever(consumer: IdempotentConsumer) -> int:
 
 
 #: The idempotent-consumer row, in the same transaction as the effect. No row back = duplicate.
+#: Is ``event_id`` already recorded in the group for this very event (same dedup key and type)?
+SAME_EVENT_RECORDED = """
+SELECT 1 FROM {table}
+ WHERE consumer_group = %s AND event_id = %s AND dedup_key = %s AND event_type = %s"""
 RECORD_PROCESSED = """
 INSERT INTO {table} (consumer_group, dedup_key, event_type, event_id, job_id)
 VALUES (%s, %s, %s, %s, %s)

@@ -17,10 +17,10 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from datetime import datetime
 from decimal import Decimal
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import orjson
 import psycopg
@@ -49,15 +49,35 @@ T = TypeVar("T")
 
 def typed_row(cls: type[R], row: dict[str, Any]) -> R:
     """A typed row (a dataclass below) from a dict row; columns the class does not name (added
-    by a later migration) are ignored. Raises ``TypeError`` when a named column is missing."""
-    names = _FIELDS.get(cls)
-    if names is None:
-        names = _FIELDS[cls] = frozenset(
-            f.name for f in fields(cls))  # type: ignore[arg-type]  # R is a row dataclass; a TypeVar cannot say so
+    by a later migration) are ignored. Raises ``TypeError`` when a named column is missing.
+
+    A row that has every field of a plain frozen dataclass (no ``__post_init__``, no
+    ``__slots__``, no default factory) is set into the new object's ``__dict__`` at once, which
+    is what its ``__init__`` does one ``object.__setattr__`` at a time (issue 12, worker12:
+    ``JobRow`` from a claim's row 10-16 -> 2-3 us); any other row goes through ``__init__``
+    (its defaults, its ``TypeError``)."""
+    shape = _SHAPES.get(cls)
+    if shape is None:
+        shape = _SHAPES[cls] = _shape(cls)
+    names, plain = shape
+    if plain and names <= row.keys():
+        obj = object.__new__(cls)
+        obj.__dict__.update({k: row[k] for k in names})
+        return cast(R, obj)
     return cls(**{k: v for k, v in row.items() if k in names})
 
 
-_FIELDS: dict[type, frozenset[str]] = {}
+def _shape(cls: type) -> tuple[frozenset[str], bool]:
+    """``cls``'s field names and whether :func:`typed_row` may fill its ``__dict__`` directly
+    (a frozen dataclass whose ``__init__`` only sets its fields)."""
+    fs = fields(cls)
+    plain = (cls.__dataclass_params__.frozen  # type: ignore[attr-defined]  # a dataclass's
+             and not hasattr(cls, "__post_init__") and not hasattr(cls, "__slots__")
+             and all(f.init and f.default_factory is MISSING for f in fs))
+    return frozenset(f.name for f in fs), plain
+
+
+_SHAPES: dict[type, tuple[frozenset[str], bool]] = {}
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import MISSING, dataclass, field, fields
 from datetime import datetime
 from decimal import Decimal
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import orjson
 import psycopg
@@ -63,7 +63,7 @@ def typed_row(cls: type[R], row: dict[str, Any]) -> R:
     if plain and names <= row.keys():
         obj = object.__new__(cls)
         obj.__dict__.update({k: row[k] for k in names})
-        return cast(R, obj)
+        return obj
     return cls(**{k: v for k, v in row.items() if k in names})
 
 

@@ -264,7 +264,8 @@ class Claim:
 @dataclass(frozen=True)
 class Skip:
     """The event needs no work: ``reason`` is ``duplicate``, ``done``, ``terminal`` or
-    ``cancelled``."""
+    ``cancelled`` (or ``superseded``); ``unknown_job`` and ``generation_ahead`` are poison
+    for the caller (no such job; an event of a newer generation than its job's)."""
 
     reason: str
 
@@ -927,7 +928,10 @@ class Store:
         an older ``generation`` than the job's (in flight before a redrive) is skipped as
         ``superseded`` without being recorded, so the new generation's event is not taken for
         its duplicate. The generation is checked BEFORE the idempotent-consumer row: an old
-        generation's event is ``superseded``, whatever a stale run may have recorded.
+        generation's event is ``superseded``, whatever a stale run may have recorded. An event
+        of a NEWER generation than the job's is :class:`Skip` ``generation_ahead``, not
+        recorded and nothing claimed (the caller refuses it as poison): a redrive bumps the
+        generation in the transaction that writes its event, so only a forged event is ahead.
 
         ``reads``: what the stage reads, fetched in the same transaction into
         ``Claim.inputs`` (:class:`StageInputs`): ``document``, ``output:<stage>`` (a succeeded
@@ -1082,6 +1086,8 @@ class Store:
         job = typed_row(JobRow, row)
         if generation < job.generation:
             return Skip("superseded")
+        if generation > job.generation:  # forged (policy12): the SQL claimed nothing
+            return Skip("generation_ahead")
         if row["processed"]:
             return Skip("duplicate")
         if job.status in (*TERMINAL, "needs_reconciliation") or job.cancel_requested:
@@ -1294,7 +1300,7 @@ class Store:
         None when the job does not exist. The stage agent decides an exhausted retry budget by
         this count, not by the message's ``retry_count`` header, which anyone who can write to
         a ``.retry`` topic can forge (breaker11). Raises :class:`RetryableError` if Postgres
-        is down."""
+        is down. None too for a ``generation`` above the job's (a forged event; not counted)."""
         with self.tx() as conn:
             row = conn.execute(Q["add_retry_round"], {"job_id": job_id, "stage": stage,
                                                       "generation": generation}).fetchone()

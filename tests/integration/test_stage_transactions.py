@@ -106,6 +106,33 @@ def test_a_claim_reads_the_document_and_a_checkpoint_in_its_transaction_as_typed
         store.claim(**_claim_kw(job_id, STAGES[3], reads=("everything",)))
 
 
+def test_the_document_is_read_after_a_checkpoint_only_when_it_holds_no_text(
+        store: Store, job_id: uuid.UUID) -> None:
+    """Migration 0045 (issue 12, pg12): a text/plain extract checkpoint stores no copy of the
+    text; the chunk stage's ``document:if-no-text`` read brings the document instead, and
+    nothing for a checkpoint that kept its text (a PDF's: up to 5 MiB not read twice)."""
+    reads = (f"output:{FIRST}", "document:if-no-text")
+    first = store.claim(**_claim_kw(job_id, FIRST))
+    assert isinstance(first, Claim)
+    store.complete(first, **_done(first, {"text_sha256": "ab", "char_count": 2}))
+    got = store.claim(**_claim_kw(job_id, SECOND, reads=reads))
+    assert isinstance(got, Claim)
+    assert got.inputs.previous_output == {"text_sha256": "ab", "char_count": 2}
+    assert got.inputs.document == CONTENT
+
+
+def test_the_document_is_not_read_after_a_checkpoint_that_holds_its_text(
+        store: Store, job_id: uuid.UUID) -> None:
+    reads = (f"output:{FIRST}", "document:if-no-text")
+    first = store.claim(**_claim_kw(job_id, FIRST))
+    assert isinstance(first, Claim)
+    store.complete(first, **_done(first, {"text": "the text"}))
+    got = store.claim(**_claim_kw(job_id, SECOND, reads=reads))
+    assert isinstance(got, Claim)
+    assert got.inputs.previous_output == {"text": "the text"}
+    assert got.inputs.document is None
+
+
 def test_one_transaction_claims_works_and_completes_and_a_duplicate_is_skipped(
         store: Store, job_id: uuid.UUID, settings: Settings) -> None:
     kw = _claim_kw(job_id, FIRST, reads=("document",))

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from jobstream.errors import PermanentError, RetryableError
 from jobstream.keys import canonical_json, sha256_hex
-from jobstream.store import Claim
+from jobstream.store import Claim, Store
 from jobstream.textproc import chunk_text, plain_text
 from schemas.events import ChunksReadyPayload
 from schemas.pipeline import PIPELINE
@@ -39,7 +39,7 @@ def work(ctx: StageContext, claim: Claim, ev: Any) -> StageResult:
                  or ctx.store.stage_output(claim.job.job_id, "extract"))
     if extracted is None:
         raise RetryableError("extract checkpoint not visible yet", code="not_ready")
-    text = extracted_text(ctx, claim, extracted)
+    text = extracted_text(ctx.store, claim, extracted)
     chunks = chunk_text(text, ctx.settings.chunk_size_chars)
     rows = [(c.idx, c.start, c.end, c.text, sha256_hex(c.text)) for c in chunks]
     digest = sha256_hex(canonical_json([r[4] for r in rows]))
@@ -51,12 +51,12 @@ def work(ctx: StageContext, claim: Claim, ev: Any) -> StageResult:
         payload=ChunksReadyPayload(chunk_count=len(rows), chunks_sha256=digest))
 
 
-def extracted_text(ctx: StageContext, claim: Claim, extracted: dict[str, Any]) -> str:
+def extracted_text(store: Store, claim: Claim, extracted: dict[str, Any]) -> str:
     """The text the extract checkpoint ``extracted`` stands for: its ``"text"`` (a PDF's, or a
     checkpoint written before migration 0045), else the job's text/plain document decoded
     again by :func:`~jobstream.textproc.plain_text`, the function the extract stage used
-    (the document from the claim's ``document:if-no-text`` read, or read now when the
-    checkpoint came from ``stage_output``). Raises :class:`PermanentError`
+    (the document from the claim's ``document:if-no-text`` read, or read now from ``store``
+    when the checkpoint came from ``stage_output``). Raises :class:`PermanentError`
     ``extract_checkpoint_mismatch`` when that text's sha256 or length is not the checkpoint's
     (the decoding changed between the two stages' code versions: a redrive re-extracts)."""
     text = extracted.get("text")
@@ -64,7 +64,7 @@ def extracted_text(ctx: StageContext, claim: Claim, extracted: dict[str, Any]) -
         return str(text)
     content = claim.inputs.document
     if content is None:
-        content, _ = ctx.store.document(claim.job.tenant_id, claim.job.document_sha256)
+        content, _ = store.document(claim.job.tenant_id, claim.job.document_sha256)
     text = plain_text(content)
     if (sha256_hex(text) != extracted.get("text_sha256")
             or len(text) != extracted.get("char_count")):

@@ -174,9 +174,7 @@ class ProviderBudget:
 
 
 #: The names a stage's ``READS`` may hold besides ``output:<stage>`` (:meth:`Store.claim`).
-#: ``document:if-no-text``: the document only when the ``output:<stage>`` read before it holds
-#: no ``"text"`` (migration 0045: a text/plain extract checkpoint stores no copy of its text).
-_READS = frozenset({"document", "document:if-no-text", "chunks", "budget"})
+_READS = frozenset({"document", "chunks", "budget"})
 #: The shortest idle limit a claim's transaction gets (seconds): its lease, but at least this,
 #: so a lease shorter than a round trip (a test's lease made to expire at once) does not end
 #: the claiming session between its own statements.
@@ -186,8 +184,7 @@ CLAIM_IDLE_FLOOR_S = 1.0
 @dataclass(frozen=True)
 class StageInputs:
     """What a stage reads, fetched in its claim transaction (see :meth:`Store.claim`'s
-    ``reads``); ``None`` where not read (or not there): the document's bytes (``document``,
-    or ``document:if-no-text``),
+    ``reads``); ``None`` where not read (or not there): the document's bytes (``document``),
     the previous checkpoint's output (``output:<stage>``), the job's chunks (``chunks``), the
     provider budget used so far (``budget``)."""
 
@@ -938,10 +935,8 @@ class Store:
 
         ``reads``: what the stage reads, fetched in the same transaction into
         ``Claim.inputs`` (:class:`StageInputs`): ``document``, ``output:<stage>`` (a succeeded
-        checkpoint's output), ``document:if-no-text`` (after an ``output:<stage>``: the
-        document only when that output holds no ``"text"``, migration 0045), ``chunks``,
-        ``budget`` (provider attempts per chunk and the job's provider cost). Raises
-        :class:`ValueError` for another name.
+        checkpoint's output), ``chunks``, ``budget`` (provider attempts per chunk and the
+        job's provider cost).
 
         A claim that takes the stage over closes the orphan attempts of the runs it replaces
         (``abandoned``, see :meth:`close_orphans`).
@@ -1139,7 +1134,7 @@ class Store:
             return StageInputs()
         kw: dict[str, Any] = {}
         for what in reads:
-            if what in ("document", "document:if-no-text"):
+            if what == "document":
                 doc = row["r_document"]
                 kw["document"] = None if doc is None else bytes(doc)
             elif what.startswith("output:"):

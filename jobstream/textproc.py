@@ -93,41 +93,26 @@ def extract_text(content: bytes, content_type: str,
         raise PermanentError("the document is empty", code="empty_document")
     if content_type == "text/plain":
         _refuse_binary(content)
-        text = plain_text(content)
+        try:
+            text = content.decode("utf-8")
+        except UnicodeDecodeError:
+            text = content.decode("latin-1")
         pages = 0
     else:
         if b"%PDF-" not in content[:1024]:
             raise PermanentError("sent as application/pdf but it has no %PDF- header",
                                  code="not_a_pdf")
         text, pages = _run_pdf_child(content, limits)
-        text = _normalise(text)
+    text = text.replace("\x00", "").replace("\r\n", "\n")
+    # A broken ToUnicode CMap can give pypdf lone surrogates, which no UTF-8 (hash, database)
+    # can hold: pairs become their character, lone ones U+FFFD.
+    text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
     if len(text) > limits.max_text_chars:
         raise PermanentError(f"{len(text)} characters of text; the limit is "
                              f"{limits.max_text_chars}", code="extracted_text_too_large")
     if not text.strip():
         raise PermanentError("the document has no text", code="empty_document")
     return Extracted(text=text, page_count=pages)
-
-
-def plain_text(content: bytes) -> str:
-    """The text of a ``text/plain`` document's bytes, as :func:`extract_text` gives it (UTF-8,
-    latin-1 as fallback; normalised by :func:`_normalise`): a pure function of the bytes, so
-    the chunk stage derives it again from the document instead of the extract checkpoint
-    storing a copy (issue 12, pg12). No limits, no binary check: :func:`extract_text` made
-    those before the checkpoint was written."""
-    try:
-        text = content.decode("utf-8")
-    except UnicodeDecodeError:
-        text = content.decode("latin-1")
-    return _normalise(text)
-
-
-def _normalise(text: str) -> str:
-    """NULs dropped, CRLF as LF, and no lone surrogates: a broken ToUnicode CMap can give
-    pypdf lone surrogates, which no UTF-8 (hash, database) can hold: pairs become their
-    character, lone ones U+FFFD."""
-    text = text.replace("\x00", "").replace("\r\n", "\n")
-    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 #: Leading bytes of common binary formats (PNG, JPEG, GIF, zip/docx/xlsx, gzip, xz, 7z, ELF):

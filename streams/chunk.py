@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from jobstream.errors import PermanentError, RetryableError
+from jobstream.errors import RetryableError
 from jobstream.keys import canonical_json, sha256_hex
-from jobstream.store import Claim, Store
-from jobstream.textproc import chunk_text, plain_text
+from jobstream.store import Claim
+from jobstream.textproc import chunk_text
 from schemas.events import ChunksReadyPayload
 from schemas.pipeline import PIPELINE
 from streams.context import StageContext, StageResult
@@ -20,9 +20,7 @@ if TYPE_CHECKING:
 
 STAGE = PIPELINE.stage("chunk")
 #: What the claim transaction reads for this stage (``Store.claim``'s ``reads``).
-#: ``document:if-no-text``: the document too when the extract checkpoint holds no text (a
-#: text/plain document's, migration 0045), to derive the text from.
-READS = ("output:extract", "document:if-no-text")
+READS = ("output:extract",)
 
 
 def one_transaction(ctx: StageContext, ev: Any) -> bool:
@@ -32,14 +30,12 @@ def one_transaction(ctx: StageContext, ev: Any) -> bool:
 
 def work(ctx: StageContext, claim: Claim, ev: Any) -> StageResult:
     """The chunk checkpoint: the extract checkpoint's text cut into chunk rows. Raises
-    :class:`RetryableError` ``not_ready`` while that checkpoint is not visible,
-    :class:`PermanentError` ``extract_checkpoint_mismatch`` when the text derived from the
-    document is not the one the checkpoint describes (see :func:`extracted_text`)."""
+    :class:`RetryableError` ``not_ready`` while that checkpoint is not visible."""
     extracted = (claim.inputs.previous_output
                  or ctx.store.stage_output(claim.job.job_id, "extract"))
     if extracted is None:
         raise RetryableError("extract checkpoint not visible yet", code="not_ready")
-    text = extracted_text(ctx.store, claim, extracted)
+    text = extracted["text"]
     chunks = chunk_text(text, ctx.settings.chunk_size_chars)
     rows = [(c.idx, c.start, c.end, c.text, sha256_hex(c.text)) for c in chunks]
     digest = sha256_hex(canonical_json([r[4] for r in rows]))
@@ -49,28 +45,6 @@ def work(ctx: StageContext, claim: Claim, ev: Any) -> StageResult:
         input_hash=sha256_hex(text), code_version=ctx.code_version(STAGE.name),
         chunks=rows,
         payload=ChunksReadyPayload(chunk_count=len(rows), chunks_sha256=digest))
-
-
-def extracted_text(store: Store, claim: Claim, extracted: dict[str, Any]) -> str:
-    """The text the extract checkpoint ``extracted`` stands for: its ``"text"`` (a PDF's, or a
-    checkpoint written before migration 0045), else the job's text/plain document decoded
-    again by :func:`~jobstream.textproc.plain_text`, the function the extract stage used
-    (the document from the claim's ``document:if-no-text`` read, or read now from ``store``
-    when the checkpoint came from ``stage_output``). Raises :class:`PermanentError`
-    ``extract_checkpoint_mismatch`` when that text's sha256 or length is not the checkpoint's
-    (the decoding changed between the two stages' code versions: a redrive re-extracts)."""
-    text = extracted.get("text")
-    if text is not None:
-        return str(text)
-    content = claim.inputs.document
-    if content is None:
-        content, _ = store.document(claim.job.tenant_id, claim.job.document_sha256)
-    text = plain_text(content)
-    if (sha256_hex(text) != extracted.get("text_sha256")
-            or len(text) != extracted.get("char_count")):
-        raise PermanentError("the document's text is not the one its extract checkpoint "
-                             "describes", code="extract_checkpoint_mismatch")
-    return text
 
 
 def register(app: faust.App, ctx: StageContext) -> Any:

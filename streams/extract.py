@@ -1,6 +1,5 @@
 """Stage ``extract``: ``job.accepted`` -> checkpoint ``extract`` (the document's plain text;
-PDF via pypdf, bounded by the ``extract_*`` limits) -> ``job.text_extracted``. A text/plain
-document's checkpoint holds the text's digest and size, not the text (migration 0045).
+PDF via pypdf, bounded by the ``extract_*`` limits) -> ``job.text_extracted``.
 """
 
 from __future__ import annotations
@@ -44,17 +43,10 @@ def work(ctx: StageContext, claim: Claim, ev: Any) -> StageResult:
         max_pages=s.extract_max_pages, max_text_chars=s.extract_max_text_chars,
         max_stream_bytes=s.extract_max_stream_bytes,
         max_memory_bytes=s.extract_max_memory_bytes, timeout_s=s.extract_timeout_s))
-    text_sha256 = sha256_hex(ex.text)
-    # A text/plain document's text is a pure function of its bytes (textproc.plain_text): the
-    # checkpoint keeps its digest and size, not a second copy of the document (issue 12,
-    # pg12: 2.1 KB of WAL per job); the chunk stage derives it again. A PDF's text is kept.
-    output: dict[str, Any] = (
-        {"text_sha256": text_sha256, "char_count": len(ex.text), "page_count": ex.page_count}
-        if job.content_type == "text/plain" else {"text": ex.text, "page_count": ex.page_count})
     return StageResult(
-        output=output,
+        output={"text": ex.text, "page_count": ex.page_count},
         input_hash=job.document_sha256, code_version=ctx.code_version(STAGE.name),
-        payload=TextExtractedPayload(text_sha256=text_sha256, char_count=len(ex.text),
+        payload=TextExtractedPayload(text_sha256=sha256_hex(ex.text), char_count=len(ex.text),
                                      page_count=ex.page_count))
 
 

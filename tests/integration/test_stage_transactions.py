@@ -13,7 +13,6 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any
 
 import psycopg
@@ -29,13 +28,10 @@ from jobstream.store import (
     JobRow,
     LocalAnswer,
     OutboxMessage,
-    StageInputs,
     Store,
     typed_row,
 )
-from jobstream.textproc import plain_text
 from schemas.events import JobAccepted, JobAcceptedPayload
-from streams.chunk import extracted_text
 from tests.helpers import query
 
 pytestmark = pytest.mark.integration
@@ -108,59 +104,6 @@ def test_a_claim_reads_the_document_and_a_checkpoint_in_its_transaction_as_typed
     assert second.inputs.budget is not None and second.inputs.budget.stage_attempts == 0
     with pytest.raises(ValueError, match="unknown stage read"):
         store.claim(**_claim_kw(job_id, STAGES[3], reads=("everything",)))
-
-
-def test_the_document_is_read_after_a_checkpoint_only_when_it_holds_no_text(
-        store: Store, job_id: uuid.UUID) -> None:
-    """Migration 0045 (issue 12, pg12): a text/plain extract checkpoint stores no copy of the
-    text; the chunk stage's ``document:if-no-text`` read brings the document instead, and
-    nothing for a checkpoint that kept its text (a PDF's: up to 5 MiB not read twice)."""
-    reads = (f"output:{FIRST}", "document:if-no-text")
-    first = store.claim(**_claim_kw(job_id, FIRST))
-    assert isinstance(first, Claim)
-    store.complete(first, **_done(first, {"text_sha256": "ab", "char_count": 2}))
-    got = store.claim(**_claim_kw(job_id, SECOND, reads=reads))
-    assert isinstance(got, Claim)
-    assert got.inputs.previous_output == {"text_sha256": "ab", "char_count": 2}
-    assert got.inputs.document == CONTENT
-
-
-def test_the_document_is_not_read_after_a_checkpoint_that_holds_its_text(
-        store: Store, job_id: uuid.UUID) -> None:
-    reads = (f"output:{FIRST}", "document:if-no-text")
-    first = store.claim(**_claim_kw(job_id, FIRST))
-    assert isinstance(first, Claim)
-    store.complete(first, **_done(first, {"text": "the text"}))
-    got = store.claim(**_claim_kw(job_id, SECOND, reads=reads))
-    assert isinstance(got, Claim)
-    assert got.inputs.previous_output == {"text": "the text"}
-    assert got.inputs.document is None
-
-
-def test_the_chunk_stage_derives_a_text_plain_text_from_the_document_and_checks_it(
-        store: Store, job_id: uuid.UUID) -> None:
-    """streams.chunk.extracted_text (issue 12, pg12): a checkpoint's own text as it is (a
-    PDF's, or one written before migration 0045); else the document decoded again, from the
-    claim's read or from the store, and refused when it is not the text the checkpoint's
-    digest and size describe."""
-    text = plain_text(CONTENT)
-    described = {"text_sha256": hashlib.sha256(text.encode()).hexdigest(),
-                 "char_count": len(text), "page_count": 0}
-    first = store.claim(**_claim_kw(job_id, FIRST))
-    assert isinstance(first, Claim)
-    store.complete(first, **_done(first, described))
-    got = store.claim(**_claim_kw(job_id, SECOND, reads=(f"output:{FIRST}",
-                                                         "document:if-no-text")))
-    assert isinstance(got, Claim) and got.inputs.document == CONTENT
-    assert extracted_text(store, got, described) == text
-    without_read = replace(got, inputs=StageInputs())  # the checkpoint from stage_output
-    assert extracted_text(store, without_read, described) == text
-    assert extracted_text(store, got, {"text": "kept", "page_count": 3}) == "kept"
-    for wrong in ({**described, "text_sha256": "0" * 64},
-                  {**described, "char_count": len(text) + 1}):
-        with pytest.raises(PermanentError) as err:
-            extracted_text(store, got, wrong)
-        assert err.value.code == "extract_checkpoint_mismatch"
 
 
 def test_one_transaction_claims_works_and_completes_and_a_duplicate_is_skipped(

@@ -635,19 +635,21 @@ class Store:
                    request_hash: str, request_id: str, job: dict[str, Any], content: bytes,
                    accepted: Any, topic: str, extra: list[OutboxMessage],
                    restart: Any = None,
-                   begin: Callable[[Conn], contextlib.AbstractContextManager[Any]] | None = None
-                   ) -> IntakeResult:
+                   begin: Callable[[Conn], contextlib.AbstractContextManager[Any]] | None = None,
+                   idle_limit_s: float | None = None) -> IntakeResult:
         """One intent's rows (:meth:`intake`) in ``conn.transaction()`` (a savepoint when
         ``conn`` is in a transaction), or in ``begin(conn)`` (:meth:`_intake_one`: the
-        transaction itself, its idle limit and fault point); each attempt of the insert race
-        in a new one."""
+        transaction itself and its fault point); each attempt of the insert race in a new one.
+        ``idle_limit_s``: the transaction's idle limit (seconds), set by its first statement
+        (the key's look-up); None: left as it is."""
+        idle_ms = None if idle_limit_s is None else str(int(idle_limit_s * 1000))
         for _ in range(3):  # a concurrent identical intent may win the insert race: re-read
             try:
                 with conn.transaction() if begin is None else begin(conn):
                     # The key's record and the job it created first, in one round trip.
                     found = conn.execute(Q["find_request_and_job_by_key"],
-                                         {"tenant_id": tenant_id, "key": idempotency_key}
-                                         ).fetchone()
+                                         {"tenant_id": tenant_id, "key": idempotency_key,
+                                          "idle_ms": idle_ms}).fetchone()
                     assert found is not None  # one row, NULLs where there is nothing
                     bound = idempotency.bound_target(
                         found if found["job_id"] is not None else None,
@@ -769,10 +771,10 @@ class Store:
                     ) -> IntakeResult | Exception:
         """:meth:`intake_batch` of ONE intent (an idle pipeline's document; issue 12, idle12):
         the same rows, idle limit, fault point and outcomes, with the intent's transaction
-        as its own instead of a savepoint in the batch's: 9 round trips instead of 12 (no
-        SAVEPOINT, no RELEASE; and :meth:`_intake_in` looks the key up once, not twice), each
-        a wake-up of the backend and of this thread on the idle job's critical path
-        (bench/README.md, "The idle job, per hop"). The set-based path
+        as its own instead of a savepoint in the batch's: 8 round trips instead of 12 (no
+        SAVEPOINT, no RELEASE, the idle limit set by the key's look-up, which is one
+        statement, not two), each a wake-up of the backend and of this thread on the idle
+        job's critical path (bench/README.md, "The idle job, per hop"). The set-based path
         (:meth:`_intake_fast`) is no shorter for one intent: its pipeline took 22-26 ms per
         intent against this path's 8-11 ms at load 12-14 (idle12).
 
@@ -781,13 +783,9 @@ class Store:
         the session was ended (``idle_limit_s``); when Postgres refuses the intent or its
         commit (not its data: ``invalid_data`` is returned as such), it is accepted once more
         alone (:meth:`_intake_alone`), as a batch whose commit failed."""
-        limit = {"ms": str(int((idle_limit_s or 0) * 1000))}
-
         @contextmanager
         def begin(conn: Conn) -> Iterator[None]:
             with conn.transaction():
-                if idle_limit_s is not None:  # a frozen worker loses the session (and locks)
-                    conn.execute(Q["one_transaction_idle_limit"], limit)
                 yield
                 faults.point("intake_batch_before_commit")
 
@@ -797,7 +795,10 @@ class Store:
                 return self._intake_in(
                     conn, it.tenant_id, it.idempotency_key, it.request_hash, it.request_id,
                     {**it.job, "trace_id": span.trace_id}, it.content, it.accepted, it.topic,
-                    list(it.extra), it.restart, begin=begin)
+                    list(it.extra), it.restart, begin=begin,
+                    # A frozen worker loses the session (and the rows' locks): set by the
+                    # transaction's first statement, no round trip of its own.
+                    idle_limit_s=idle_limit_s)
         except (psycopg.OperationalError,
                 psycopg.errors.IdleInTransactionSessionTimeout) as exc:
             return RetryableError(f"database unavailable: {exc}", code="db_unavailable")

@@ -39,9 +39,14 @@ RETURNING job_id;
 -- document's intake is on the idle job's critical path): exactly one row with the key's
 -- idempotency record (job_id, request_hash, its job's status; NULLs when there is none) and
 -- the job the key created first (key_job_id, key_request_hash: it outlives the record, which
--- retention may have deleted). Both are unique per tenant and key.
+-- retention may have deleted). Both are unique per tenant and key. %(idle_ms)s (text, or NULL:
+-- not set): the transaction's idle limit, set here as one_transaction_idle_limit sets it, so a
+-- lone intent's transaction needs no statement of its own for it (Store._intake_one).
 SELECT r.job_id, r.request_hash, rj.status, k.job_id AS key_job_id,
-       k.request_hash AS key_request_hash
+       k.request_hash AS key_request_hash,
+       CASE WHEN %(idle_ms)s::text IS NOT NULL
+            THEN set_config('idle_in_transaction_session_timeout', %(idle_ms)s::text, true)
+       END AS idle_limit
   FROM (SELECT %(tenant_id)s::text AS tenant_id, %(key)s::text AS idempotency_key) q
   LEFT JOIN (job_request r JOIN job rj ON rj.job_id = r.job_id)
          ON r.tenant_id = q.tenant_id AND r.idempotency_key = q.idempotency_key

@@ -18,7 +18,9 @@ Reported:
   the completion transaction began); ``hops_idle``: the same for ``--idle-jobs`` jobs sent
   one at a time on an idle pipeline (no queueing), and ``idle_intake_to_applied_ms``: per such
   job, the intake commit (``job.created_at``) -> its ``job.ready`` applied downstream; the
-  idle hops are also split at the broker's append time (``to_kafka_ms`` / ``from_kafka_ms``);
+  idle hops are also split at the broker's append time (``to_kafka_ms`` / ``from_kafka_ms``),
+  with ``written_ms`` (the writing transaction's start -> its outbox row) before them, and
+  ``legs_sum_of_hop_medians_ms`` says where the intake -> applied time goes;
 * ``submit_to_intake_commit_ms`` of the burst, with ``submit_produce_ms`` and
   ``submit_to_intake_split`` (submit -> appended by the broker -> intake). Every submit of a
   run uses one producer kept for the run (``--cold-producer``: a new one for the burst);
@@ -79,6 +81,8 @@ LICENSES = Path("/usr/share/common-licenses")
 CHAIN = tuple(s.emits for s in PIPELINE.stages)
 #: The checkpoint written by the stage that consumes each event (job.ready: downstream).
 NEXT_STAGE = {s.consumes: s.name for s in PIPELINE.job_stages}
+#: The stage whose transaction writes each event's outbox row (job.accepted: intake).
+PRODUCER = {s.emits: s.name for s in PIPELINE.stages}
 
 #: Issue 12's targets for this benchmark (same run, same machine).
 TARGETS = {"jobs_per_s_with_2_workers": 250.0, "machine_cpu_ms_per_job": 8.0,
@@ -367,7 +371,12 @@ def run_idle_jobs(s: Settings, args: Any, producer: Producer) -> dict[str, Any]:
             "JOIN downstream.document_analysis a USING (job_id) WHERE j.tenant_id = 'idle'")]
     hops = hop_breakdown(s.database_url, "idle", appended_at(s))
     hops.pop("_intake_created")
-    return {"intake_to_applied_ms": latency_summary(ms), "hops": hops}
+    # Where the intake -> applied time goes: each leg's medians summed over the six hops
+    # (medians do not add up exactly to the p50 of the sums; idle12).
+    legs = {leg: round(sum(h[leg]["p50"] for h in hops.values() if leg in h), 1)
+            for leg in ("written_ms", "to_kafka_ms", "from_kafka_ms")}
+    return {"intake_to_applied_ms": latency_summary(ms), "hops": hops,
+            "legs_sum_of_hop_medians_ms": legs}
 
 
 def appended_at(s: Settings) -> dict[tuple[str, str], float]:
@@ -414,10 +423,17 @@ def hop_breakdown(url: str, tenant: str,
     relay's wake-up, fetch and linger, the produce request) and ``from_kafka_ms`` (appended
     -> the next stage claimed it, or ``job.ready`` applied: the consumer's fetch, faust,
     decode, the claim). ``relay_ms`` ends at the relay's handling of the broker's ack, which
-    can come after the next stage's claim (a negative ``pickup_ms``)."""
+    can come after the next stage's claim (a negative ``pickup_ms``). ``written_ms``: the
+    writing transaction's start (``now()``: the producing stage's ``started_at``, the intake's
+    for ``job.accepted``) -> the outbox row's insert (``clock_timestamp()``): its claim, work
+    and completion up to the row (not its commit, which is in ``to_kafka_ms``). So per hop
+    ``written_ms`` + ``to_kafka_ms`` + ``from_kafka_ms`` runs from one stage transaction's
+    start to the next one's, and over the chain from the intake's to the ``job.ready``
+    apply's (``applied_at``, its transaction's start)."""
     q = """
     SELECT o.event_type, j.job_id::text AS job_id,
            extract(epoch FROM o.created_at) AS written,
+           extract(epoch FROM o.created_at - p.started_at) * 1000 AS written_ms,
            extract(epoch FROM coalesce(s.started_at, a.applied_at)) AS picked,
            extract(epoch FROM o.published_at - o.created_at) * 1000 AS relay_ms,
            extract(epoch FROM coalesce(s.started_at, a.applied_at) - o.published_at) * 1000
@@ -425,13 +441,15 @@ def hop_breakdown(url: str, tenant: str,
            extract(epoch FROM s.finished_at - s.started_at) * 1000 AS work_ms
       FROM outbox_published o JOIN job j ON o.kafka_key = j.job_id::text
       LEFT JOIN job_stage s ON s.job_id = j.job_id AND s.stage = %s
+      LEFT JOIN job_stage p ON p.job_id = j.job_id AND p.stage = %s
       LEFT JOIN downstream.document_analysis a ON a.job_id = j.job_id AND %s = 'job.ready'
      WHERE j.tenant_id = %s AND o.event_type = %s
     """
     out: dict[str, Any] = {}
     with connect(url, autocommit=True) as conn:
         for ev in CHAIN:
-            rows = conn.execute(q, (NEXT_STAGE.get(ev, "none"), ev, tenant, ev)).fetchall()
+            rows = conn.execute(q, (NEXT_STAGE.get(ev, "none"), PRODUCER.get(ev, "none"), ev,
+                                    tenant, ev)).fetchall()
             if appended is not None:
                 for r in rows:
                     at = appended.get((r["job_id"], ev))
@@ -439,7 +457,8 @@ def hop_breakdown(url: str, tenant: str,
                     r["from_kafka_ms"] = (None if at is None or r["picked"] is None
                                           else (float(r["picked"]) - at) * 1000)
             legs: dict[str, Any] = {}
-            for leg in ("relay_ms", "pickup_ms", "work_ms", "to_kafka_ms", "from_kafka_ms"):
+            for leg in ("relay_ms", "pickup_ms", "work_ms", "written_ms", "to_kafka_ms",
+                        "from_kafka_ms"):
                 vals = [float(r[leg]) for r in rows if r.get(leg) is not None]
                 if vals:
                     legs[leg] = {"p50": round(pct(vals, 50) or 0, 1),

@@ -18,12 +18,6 @@ INSERT INTO schema_migration (version, name) VALUES (%s, %s);
 
 -- ---------------------------------------------------------------- intake
 
--- name: find_request
--- The idempotency record of one client intent.
-SELECT r.job_id, r.request_hash, j.status
-  FROM job_request r JOIN job j USING (job_id)
- WHERE r.tenant_id = %s AND r.idempotency_key = %s;
-
 -- name: insert_document
 INSERT INTO document (tenant_id, sha256, content_type, size_bytes, content)
 VALUES (%s, %s, %s, %s, %s)
@@ -40,10 +34,23 @@ VALUES (%(job_id)s, %(tenant_id)s, %(idempotency_key)s, %(request_hash)s, %(dedu
 ON CONFLICT (tenant_id, dedup_key) DO NOTHING
 RETURNING job_id;
 
--- name: find_job_by_key
--- The job a key created first (job.idempotency_key, job.request_hash): it outlives the
--- idempotency record, which retention may have deleted.
-SELECT job_id, request_hash FROM job WHERE tenant_id = %s AND idempotency_key = %s;
+-- name: find_request_and_job_by_key
+-- The key of one client intent, in ONE round trip (Store._intake_in; issue 12, idle12: a lone
+-- document's intake is on the idle job's critical path): exactly one row with the key's
+-- idempotency record (job_id, request_hash, its job's status; NULLs when there is none) and
+-- the job the key created first (key_job_id, key_request_hash: it outlives the record, which
+-- retention may have deleted). Both are unique per tenant and key. %(idle_ms)s (text, or NULL:
+-- not set): the transaction's idle limit, set here as one_transaction_idle_limit sets it, so a
+-- lone intent's transaction needs no statement of its own for it (Store._intake_one).
+SELECT r.job_id, r.request_hash, rj.status, k.job_id AS key_job_id,
+       k.request_hash AS key_request_hash,
+       CASE WHEN %(idle_ms)s::text IS NOT NULL
+            THEN set_config('idle_in_transaction_session_timeout', %(idle_ms)s::text, true)
+       END AS idle_limit
+  FROM (SELECT %(tenant_id)s::text AS tenant_id, %(key)s::text AS idempotency_key) q
+  LEFT JOIN (job_request r JOIN job rj ON rj.job_id = r.job_id)
+         ON r.tenant_id = q.tenant_id AND r.idempotency_key = q.idempotency_key
+  LEFT JOIN job k ON k.tenant_id = q.tenant_id AND k.idempotency_key = q.idempotency_key;
 
 -- name: job_by_dedup_key
 SELECT job_id, status FROM job WHERE tenant_id = %s AND dedup_key = %s;

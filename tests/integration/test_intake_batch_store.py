@@ -154,3 +154,67 @@ def test_the_batcher_cuts_batches_by_count_and_bytes_and_answers_each_event(
         assert len({r["created_at"] for r in rows}) == 3  # one document per batch
     finally:
         ctx.store.close()
+
+
+def test_a_lone_intent_is_its_own_transaction_with_the_batch_outcomes(
+        settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of ONE intent (an idle pipeline's document) runs in a transaction of its own,
+    without the batch's savepoint (two round trips fewer on the idle job's critical path:
+    bench/README.md, idle12), and gives what the batch path gives: new, replayed, reused, an
+    idempotency conflict, invalid data and a row Postgres refuses; its transaction has the
+    idle limit and passes the fault point before its commit."""
+    savepoints: list[str] = []
+    limits: list[str] = []
+    hits: list[str] = []
+    transaction = psycopg.Connection.transaction
+
+    def spy_transaction(conn: psycopg.Connection[Any], *a: Any, **kw: Any) -> Any:
+        if conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS:
+            savepoints.append("savepoint")
+        return transaction(conn, *a, **kw)
+
+    add_outbox = Store.add_outbox
+
+    def spy_add_outbox(conn: Any, msg: Any) -> None:
+        limits.append(conn.execute("SHOW idle_in_transaction_session_timeout").fetchone()[
+            "idle_in_transaction_session_timeout"])
+        add_outbox(conn, msg)
+
+    monkeypatch.setattr(psycopg.Connection, "transaction", spy_transaction)
+    monkeypatch.setattr(Store, "add_outbox", staticmethod(spy_add_outbox))
+    monkeypatch.setattr("jobstream.faults.point", hits.append)
+    ctx = StageContext(settings, Store(settings.database_url, max_size=2))
+    try:
+        def one(key: str, text: str, **job: Any) -> IntakeResult | Exception:
+            it = intake_intent(ctx, _uploaded(key, text))
+            if job:
+                it = dataclasses.replace(it, job={**it.job, **job})
+            out = ctx.store.intake_batch([it], idle_limit_s=7.0)
+            assert len(out) == 1
+            return out[0]
+
+        new = one("k1", "document 1")
+        assert isinstance(new, IntakeResult) and new.created and new.dedup == "new"
+        assert not savepoints, "a lone intent took a savepoint in a batch transaction"
+        assert limits == ["7s"], limits  # set in the intent's transaction, before its rows
+        assert [h for h in hits if h.startswith("intake")] == ["intake_batch_before_commit"]
+        again = one("k1", "document 1")
+        assert isinstance(again, IntakeResult) and (again.job_id, again.dedup) == (
+            new.job_id, "replayed") and not again.created
+        reused = one("k2", "document 1")
+        assert isinstance(reused, IntakeResult) and (reused.job_id, reused.dedup) == (
+            new.job_id, "reused")
+        assert isinstance(one("k1", "another body"), IdempotencyConflict)
+        bad_nul = one("bad-nul", "refused: NUL", filename="a\x00b")
+        assert isinstance(bad_nul, PoisonMessage) and bad_nul.code == "invalid_data", bad_nul
+        assert isinstance(one("bad-lane", "refused by a CHECK", lane="bogus"),
+                          psycopg.errors.CheckViolation)
+        assert not savepoints
+        url = settings.database_url
+        assert [j["idempotency_key"] for j in query(url, "SELECT idempotency_key FROM job")
+                ] == ["k1"]
+        assert query(url, "SELECT count(*) AS n FROM outbox WHERE event_type = 'job.accepted'"
+                     )[0]["n"] == 1
+        assert query(url, "SELECT count(*) AS n FROM document")[0]["n"] == 1
+    finally:
+        ctx.store.close()

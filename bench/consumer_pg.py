@@ -4,14 +4,15 @@ Batches of ``--batch`` ``job.ready`` events (``bench.consumer.ready_event``; the
 digests prepared beforehand, as the decode-ahead thread does) are applied the way
 ``IdempotentConsumer.process_batch`` + ``apply_ready_rows`` apply them: in one transaction the
 ``processed_event`` insert (``RECORD_PROCESSED_BATCH_DIGEST``, the library's table in schema
-``consumer_bench``), the binary ``COPY`` of the analysis rows, the binary ``COPY`` of the
-charges, commit. For each statement: the Postgres backend's CPU per event (``/proc``), the WAL
-bytes per event (``pg_current_wal_lsn()`` before and after: server-wide, so other sessions'
-writes count too on a shared server), and wall time. ``--variants`` compares the tables as the
-migrations make them (``base``: migration 0031's hash indexes) with ``btree_0002`` (the effect
-indexes before 0031) and other shapes (:data:`VARIANTS`). Also prints ``EXPLAIN (ANALYZE,
-BUFFERS, WAL)`` of one dedup insert and of the ``INSERT ... SELECT`` equivalents of the two
-COPYs (COPY cannot be explained) for the last batch.
+``consumer_bench``), the prepared ``INSERT ... SELECT * FROM unnest($1::...row[])`` of the
+analysis rows and of the charges (one binary array parameter each, migration 0035; binary
+``COPY`` before consumer6), commit. For each statement: the Postgres backend's CPU per event
+(``/proc``), the WAL bytes per event (``pg_current_wal_lsn()`` before and after:
+server-wide, so other sessions' writes count too on a shared server), and wall time.
+``--variants`` compares the tables as the migrations make them (``base``: migration 0031's
+hash indexes) with ``btree_0002`` (the effect indexes before 0031) and other shapes
+(:data:`VARIANTS`). Also prints ``EXPLAIN (ANALYZE, BUFFERS, WAL)`` of one dedup insert and
+of two column-array ``INSERT ... SELECT``s of the same effects for the last batch.
 
 Prints one JSON object on stdout.
 """
@@ -30,7 +31,7 @@ from bench.consumer import BENCH_SCHEMA, backend_cpu_s, ready_event
 from consumers.ddl import create_tables, key_digest
 from consumers.idempotent import RECORD_PROCESSED_BATCH_DIGEST
 from jobstream.db import QUERIES as Q
-from jobstream.ready_applier import COPY_SIGNATURE, COPY_TRAILER, copy_rows
+from jobstream.ready_applier import _array, _row_types, copy_rows
 
 GROUP = "bench-pg"
 #: Table changes compared with ``--variants`` (each applied after :data:`RESET`): ``base`` is
@@ -78,7 +79,7 @@ def run_variant(url: str, name: str, batches: list[list[Any]]) -> dict[str, Any]
             conn.execute(stmt)
     table = sql.Identifier(BENCH_SCHEMA, "processed_event")
     dedup_q = sql.SQL(RECORD_PROCESSED_BATCH_DIGEST).format(table=table)
-    cpu = {"dedup_insert": 0.0, "copy_analysis": 0.0, "copy_charge": 0.0, "commit": 0.0}
+    cpu = {"dedup_insert": 0.0, "insert_analysis": 0.0, "insert_charge": 0.0, "commit": 0.0}
     wal = dict.fromkeys(cpu, 0)
     wall = dict.fromkeys(cpu, 0.0)
     n = 0
@@ -98,17 +99,23 @@ def run_variant(url: str, name: str, batches: list[list[Any]]) -> dict[str, Any]
         def dedup(evs: list[Any], digests: list[bytes]) -> None:
             conn.cursor().execute(dedup_q, (
                 GROUP, digests, [e.dedup_key for e in evs], [e.event_type for e in evs],
-                [e.event_id for e in evs], [e.job_id for e in evs]), binary=True).fetchall()
+                [e.event_id for e in evs], [e.job_id for e in evs]), binary=True,
+                prepare=True).fetchall()
 
-        def copy(query: str, data: list[bytes]) -> None:
-            with conn.cursor().copy(query) as cp:
-                cp.write(b"".join([COPY_SIGNATURE, *data, COPY_TRAILER]))
+        def insert(query: str, oid: int, data: list[bytes]) -> None:
+            # as jobstream.ready_applier.apply_ready_rows: one binary array, prepared
+            conn.execute(query, (_array(oid, data),), prepare=True)
+
+        analysis_oid, charge_oid = _row_types(conn)
+        conn.commit()
 
         for batch in batches:
             conn.execute("BEGIN")
             step("dedup_insert", dedup, [ev for ev, _, _ in batch], [d for _, _, d in batch])
-            step("copy_analysis", copy, Q["apply_analysis_copy"], [r[0] for _, r, _ in batch])
-            step("copy_charge", copy, Q["apply_charge_copy"], [r[1] for _, r, _ in batch])
+            step("insert_analysis", insert, Q["apply_analysis_rows"], analysis_oid,
+                 [r[0] for _, r, _ in batch])
+            step("insert_charge", insert, Q["apply_charge_rows"], charge_oid,
+                 [r[1] for _, r, _ in batch])
             step("commit", conn.commit)
             n += len(batch)
         sizes = conn.execute(
@@ -127,8 +134,8 @@ def run_variant(url: str, name: str, batches: list[list[Any]]) -> dict[str, Any]
 
 
 def explain(url: str, batch: list[Any]) -> dict[str, str]:
-    """EXPLAIN (ANALYZE, BUFFERS, WAL) of the dedup insert and of INSERT ... SELECT versions of
-    the two COPYs, for one batch (rolled back)."""
+    """EXPLAIN (ANALYZE, BUFFERS, WAL) of the dedup insert and of column-array INSERT ... SELECT
+    versions of the two effect inserts, for one batch (rolled back)."""
     evs = [ev for ev, _, _ in batch]
     digests = [d for _, _, d in batch]
     table = sql.Identifier(BENCH_SCHEMA, "processed_event")

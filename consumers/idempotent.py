@@ -247,7 +247,8 @@ class IdempotentConsumer:
         # Shape of the table, read at each new connection: True = key_digest primary key
         # (consumers/sql/consumer.sql), False = the first shape (an older table, not upgraded).
         self._key_digest = False
-        self._digest_prefix = hashlib.sha256(self.group.encode() + b"\0")
+        # event type -> sha256 state after "group \0 event_type \0" (_digest: a copy per key)
+        self._digest_prefixes: dict[str, Any] = {}
         self.stats = ConsumerStats()
         self._stop = threading.Event()
         # This consumer's token: the end of its Kafka client.id and of its Postgres sessions'
@@ -768,8 +769,12 @@ class IdempotentConsumer:
 
     def _digest(self, event_type: str, dedup_key: str) -> bytes:
         """:func:`consumers.ddl.key_digest` of this group (its prefix hashed once)."""
-        h = self._digest_prefix.copy()
-        h.update(event_type.encode() + b"\0" + dedup_key.encode())
+        pre = self._digest_prefixes.get(event_type)
+        if pre is None:  # once per event type (a handful): the group and type hashed once
+            pre = hashlib.sha256(b"\0".join((self.group.encode(), event_type.encode(), b"")))
+            self._digest_prefixes[event_type] = pre
+        h = pre.copy()
+        h.update(dedup_key.encode())
         return h.digest()[:16]
 
     def _settle(self, msg: Message) -> bool:

@@ -17,7 +17,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from datetime import datetime
 from decimal import Decimal
 from typing import Any, TypeVar
@@ -26,7 +26,7 @@ import orjson
 import psycopg
 from psycopg.pq import ExecStatus, TransactionStatus
 from psycopg.rows import dict_row
-from psycopg.types.json import Jsonb, set_json_loads
+from psycopg.types.json import Jsonb, set_json_dumps, set_json_loads
 from psycopg_pool import ConnectionPool
 from pydantic import BaseModel
 
@@ -49,15 +49,35 @@ T = TypeVar("T")
 
 def typed_row(cls: type[R], row: dict[str, Any]) -> R:
     """A typed row (a dataclass below) from a dict row; columns the class does not name (added
-    by a later migration) are ignored. Raises ``TypeError`` when a named column is missing."""
-    names = _FIELDS.get(cls)
-    if names is None:
-        names = _FIELDS[cls] = frozenset(
-            f.name for f in fields(cls))  # type: ignore[arg-type]  # R is a row dataclass; a TypeVar cannot say so
+    by a later migration) are ignored. Raises ``TypeError`` when a named column is missing.
+
+    A row that has every field of a plain frozen dataclass (no ``__post_init__``, no
+    ``__slots__``, no default factory) is set into the new object's ``__dict__`` at once, which
+    is what its ``__init__`` does one ``object.__setattr__`` at a time (issue 12, worker12:
+    ``JobRow`` from a claim's row 10-16 -> 2-3 us); any other row goes through ``__init__``
+    (its defaults, its ``TypeError``)."""
+    shape = _SHAPES.get(cls)
+    if shape is None:
+        shape = _SHAPES[cls] = _shape(cls)
+    names, plain = shape
+    if plain and names <= row.keys():
+        obj = object.__new__(cls)
+        obj.__dict__.update({k: row[k] for k in names})
+        return obj
     return cls(**{k: v for k, v in row.items() if k in names})
 
 
-_FIELDS: dict[type, frozenset[str]] = {}
+def _shape(cls: type) -> tuple[frozenset[str], bool]:
+    """``cls``'s field names and whether :func:`typed_row` may fill its ``__dict__`` directly
+    (a frozen dataclass whose ``__init__`` only sets its fields)."""
+    fs = fields(cls)
+    plain = (cls.__dataclass_params__.frozen  # type: ignore[attr-defined]  # a dataclass's
+             and not hasattr(cls, "__post_init__") and not hasattr(cls, "__slots__")
+             and all(f.init and f.default_factory is MISSING for f in fs))
+    return frozenset(f.name for f in fs), plain
+
+
+_SHAPES: dict[type, tuple[frozenset[str], bool]] = {}
 
 
 @dataclass(frozen=True)
@@ -244,7 +264,8 @@ class Claim:
 @dataclass(frozen=True)
 class Skip:
     """The event needs no work: ``reason`` is ``duplicate``, ``done``, ``terminal`` or
-    ``cancelled``."""
+    ``cancelled`` (or ``superseded``); ``unknown_job`` and ``generation_ahead`` are poison
+    for the caller (no such job; an event of a newer generation than its job's)."""
 
     reason: str
 
@@ -314,6 +335,36 @@ def loads_json(data: str | bytes) -> Any:
     return json.loads(data)
 
 
+#: orjson options that make it refuse what ``json.dumps`` refuses: a dataclass, a datetime (and
+#: date, time) and a subclass of str / int / dict / list go to :func:`_refuse` (orjson would
+#: encode them itself), which sends them to ``json.dumps``.
+_DUMPS_OPTIONS = (orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
+                  | orjson.OPT_PASSTHROUGH_SUBCLASS)
+
+
+def _refuse(value: Any) -> Any:
+    """orjson's ``default``: every value it does not encode itself goes to ``json.dumps``."""
+    raise TypeError(type(value).__name__)
+
+
+def dumps_json(value: Any) -> bytes:
+    """The JSON text (UTF-8) that Postgres reads as the same ``jsonb`` as ``json.dumps(value)``
+    (psycopg's default for ``Jsonb``, and intake's text arrays), or the error ``json.dumps``
+    raises: orjson (C, ~10x faster; issue 12, ``worker12``) unless orjson refuses the value
+    (an int beyond 64 bits, a lone surrogate, a non-str key, nesting past 255, a dataclass,
+    a datetime, a subclass: see :data:`_DUMPS_OPTIONS`) or its text has a ``null``, which is
+    also how orjson writes NaN and the infinities (``json.dumps`` writes ``NaN``, which
+    Postgres refuses: ``invalid_data``, as before); then ``json.dumps``. The texts differ in
+    form only (non-ASCII unescaped, ``1e-05`` as ``1e-5``), not in the ``jsonb`` value.
+    One difference: orjson writes a ``uuid.UUID`` (as its text) and an ``enum.Enum`` (as
+    its value), where ``json.dumps`` raised ``TypeError``; no Store caller passes either."""
+    try:
+        out = orjson.dumps(value, default=_refuse, option=_DUMPS_OPTIONS)
+    except TypeError:  # orjson.JSONEncodeError is one
+        return json.dumps(value).encode()
+    return json.dumps(value).encode() if b"null" in out else out
+
+
 def _loads_event(value: bytes) -> dict[str, Any]:
     """An outbox message's value (an encoded event, JSON) as a dict (:func:`loads_json`)."""
     ev: dict[str, Any] = loads_json(value)
@@ -322,8 +373,10 @@ def _loads_event(value: bytes) -> dict[str, Any]:
 
 def _configure(conn: Conn) -> None:
     """A new pooled connection: its ``json`` / ``jsonb`` columns are read by :func:`loads_json`
-    (psycopg's default is ``json.loads``: ~1.4 % of a stage worker's batch threads)."""
+    (psycopg's default is ``json.loads``: ~1.4 % of a stage worker's batch threads) and its
+    ``Jsonb`` parameters written by :func:`dumps_json` (psycopg's: ``json.dumps``)."""
     set_json_loads(loads_json, conn)
+    set_json_dumps(dumps_json, conn)
 
 
 class _StepRaised(Exception):  # noqa: N818 - a signal inside the store, not an error
@@ -830,7 +883,7 @@ class Store:
                 with tracing.use(spans[i]):
                     msg.headers[tracing.HEADER] = tracing.outgoing_header()
             msgs.append(msg)
-            emitted.append(json.dumps(event.payload.model_dump(mode="json")))
+            emitted.append(dumps_json(event.payload.model_dump(mode="json")).decode())
         ids = [jobs[i]["job_id"] for i in made]
         conn.execute(Q["intake_batch_insert_requests"], (
             [intents[i].tenant_id for i in made], [intents[i].idempotency_key for i in made],
@@ -839,12 +892,12 @@ class Store:
         conn.execute(Q["intake_batch_insert_done_stages"], (
             STAGES[0], PIPELINE.stages[0].code_version, ids,
             [jobs[i]["document_sha256"] for i in made],
-            [json.dumps({"filename": jobs[i]["filename"]}) for i in made], emitted))
+            [dumps_json({"filename": jobs[i]["filename"]}).decode() for i in made], emitted))
         # The event's id and type from the headers outbox_message set from the same event
         # (not a second JSON parse of every value).
         conn.execute(Q["intake_batch_outbox_insert"], (
             [m.topic for m in msgs], [m.key for m in msgs], [m.value for m in msgs],
-            [json.dumps(m.headers) for m in msgs], [m.headers["event_id"] for m in msgs],
+            [dumps_json(m.headers).decode() for m in msgs], [m.headers["event_id"] for m in msgs],
             [m.headers["event_type"] for m in msgs]))
         outbox_written(conn)
 
@@ -875,7 +928,10 @@ class Store:
         an older ``generation`` than the job's (in flight before a redrive) is skipped as
         ``superseded`` without being recorded, so the new generation's event is not taken for
         its duplicate. The generation is checked BEFORE the idempotent-consumer row: an old
-        generation's event is ``superseded``, whatever a stale run may have recorded.
+        generation's event is ``superseded``, whatever a stale run may have recorded. An event
+        of a NEWER generation than the job's is :class:`Skip` ``generation_ahead``, not
+        recorded and nothing claimed (the caller refuses it as poison): a redrive bumps the
+        generation in the transaction that writes its event, so only a forged event is ahead.
 
         ``reads``: what the stage reads, fetched in the same transaction into
         ``Claim.inputs`` (:class:`StageInputs`): ``document``, ``output:<stage>`` (a succeeded
@@ -1030,6 +1086,8 @@ class Store:
         job = typed_row(JobRow, row)
         if generation < job.generation:
             return Skip("superseded")
+        if generation > job.generation:  # forged (policy12): the SQL claimed nothing
+            return Skip("generation_ahead")
         if row["processed"]:
             return Skip("duplicate")
         if job.status in (*TERMINAL, "needs_reconciliation") or job.cancel_requested:
@@ -1242,7 +1300,7 @@ class Store:
         None when the job does not exist. The stage agent decides an exhausted retry budget by
         this count, not by the message's ``retry_count`` header, which anyone who can write to
         a ``.retry`` topic can forge (breaker11). Raises :class:`RetryableError` if Postgres
-        is down."""
+        is down. None too for a ``generation`` above the job's (a forged event; not counted)."""
         with self.tx() as conn:
             row = conn.execute(Q["add_retry_round"], {"job_id": job_id, "stage": stage,
                                                       "generation": generation}).fetchone()

@@ -213,7 +213,8 @@ class _JobEnvelope(_Envelope):
     dedup_key: Sha256Hex
     generation: int = Field(0, strict=True, ge=0, le=INT8_MAX,
                             description="The job's redrive generation: a redrive starts a new "
-                            "one and events of older generations are ignored.")
+                            "one and events of older generations are ignored; a stage event of "
+                            "a newer generation than its job's is poison (generation_ahead).")
 
 
 class DocumentUploaded(_Envelope):

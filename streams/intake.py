@@ -166,6 +166,7 @@ class IntakeBatcher:
         self.wait_s = wait_s
         self.max_bytes = max_bytes
         self._pending: list[_Pending] = []
+        self._pending_bytes = 0  # the declared sizes of _pending's documents (bytes)
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._thread = BatchThread("intake-batch")
@@ -177,6 +178,7 @@ class IntakeBatcher:
         loop = asyncio.get_running_loop()
         item = _Pending(ev, tracing.current(), loop.create_future(), loop.time())
         self._pending.append(item)
+        self._pending_bytes += ev.payload.document.size_bytes
         if self._task is None or self._task.done():
             self._wake = asyncio.Event()
             self._task = loop.create_task(self._run(), name="intake-batcher")
@@ -185,15 +187,15 @@ class IntakeBatcher:
         return await item.fut
 
     def _full(self) -> bool:
-        return (len(self._pending) >= self.max_n
-                or sum(p.ev.payload.document.size_bytes for p in self._pending)
-                >= self.max_bytes)
+        # A running total: a sum over the pending events was up to 100 reads per event.
+        return len(self._pending) >= self.max_n or self._pending_bytes >= self.max_bytes
 
     def _cut(self) -> list[_Pending]:
         batch: list[_Pending] = []
         size = 0
         while self._pending and len(batch) < self.max_n and (not batch or size < self.max_bytes):
             item = self._pending.pop(0)
+            self._pending_bytes -= item.ev.payload.document.size_bytes
             if item.fut.done():  # its event was cancelled (stopping): not ours to run
                 continue
             batch.append(item)

@@ -98,7 +98,9 @@ class CompletionTracker:
         """Record that ``offset`` of ``tp`` started processing; returns the assignment epoch
         to pass to :meth:`done`."""
         with self._lock:
-            p = self._parts.setdefault(tp, _Partition())
+            p = self._parts.get(tp)
+            if p is None:  # not setdefault: that builds a _Partition per message (~1.6 us)
+                p = self._parts[tp] = _Partition()
             if p.floor is not None:
                 if offset <= p.floor:  # the read resumed where it was sought to
                     p.floor, p.sought_back = None, False

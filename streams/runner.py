@@ -190,6 +190,10 @@ def run_stage(ctx: StageContext, ev: Any, *, plan: _Plan | None = None,
         if isinstance(got, Skip):
             if got.reason == "unknown_job":  # no job ever had this id: not our event
                 raise PoisonMessage(f"no job {ev.job_id}", code="unknown_job")
+            if got.reason == "generation_ahead":  # no legitimate event is ahead of its job
+                raise PoisonMessage(f"event of generation {ev.generation} is ahead of its job "
+                                    f"{ev.job_id} (forged: a redrive's events carry the job's "
+                                    "generation)", code="generation_ahead")
             return f"skipped:{got.reason}"
         if isinstance(got, Done):
             nxt = emits(**common, idempotency_key=got.job.idempotency_key, payload=got.emitted)

@@ -242,8 +242,11 @@ UPDATE job_stage
 -- name: add_retry_round
 -- One more retry round of a stage event (migration 0044), in its own transaction: the rounds
 -- the job's (stage, generation) has spent, this one included. A job already gone: no row back.
+-- policy12: no row back either for a generation ahead of the job's (forged: no round of it is
+-- counted, and such an uncounted round never fails the job).
 INSERT INTO stage_retry_round AS r (job_id, stage, generation, rounds)
-SELECT j.job_id, %(stage)s, %(generation)s, 1 FROM job j WHERE j.job_id = %(job_id)s
+SELECT j.job_id, %(stage)s, %(generation)s, 1 FROM job j
+ WHERE j.job_id = %(job_id)s AND %(generation)s <= j.generation
 ON CONFLICT (job_id, stage, generation)
 DO UPDATE SET rounds = r.rounds + 1, updated_at = now()
 RETURNING r.rounds;
@@ -574,7 +577,7 @@ answered AS (
 -- Issue 12 (perf-worker4): the job lock and the stage's claim in ONE round trip (were two).
 -- The job row is locked (its latest version: READ COMMITTED re-reads it after a lock wait)
 -- with whether this event was processed; the stage is claimed only when the claim would go on
--- past those checks (an event not older than the job's generation, not processed, a job
+-- past those checks (an event of the job's generation, not processed, a job
 -- neither terminal, parked nor cancelled: the checks Store._claim_in makes on the row, in the
 -- same order). ``claim_run_token`` NULL with the checks passed: the stage is leased, done or
 -- terminal (the caller reads it with get_stage).
@@ -591,6 +594,11 @@ answered AS (
 -- document, up to 5 MiB, more than the socket buffers hold) leaves the session active in
 -- ClientWrite, where no idle limit applies; unacknowledged data for that long ends it
 -- (tests/e2e/test_break_claim_reads_frozen.py). Both limits end with the transaction.
+-- policy12: only an event of the job's OWN generation claims (was ``>=``): an older one is
+-- superseded, a newer one is poison (``generation_ahead``, Store._claim_in): a redrive bumps
+-- the generation in the transaction that writes its event, so no legitimate event is ahead
+-- of its job, and a forged one taken as current carried its generation downstream, out of
+-- reach of every redrive's and give_up's fence (breaker11).
 WITH j AS (
     SELECT j.*, EXISTS (SELECT 1 FROM processed_event p
                          WHERE p.key_digest = processed_event_key(%(group)s, %(event_type)s,
@@ -601,7 +609,7 @@ c AS (
     SELECT j.job_id, %(stage)s, 'running', 1, %(run_token)s,
            now() + make_interval(secs => %(lease_s)s), now()
       FROM j
-     WHERE %(generation)s >= j.generation AND NOT j.processed
+     WHERE %(generation)s = j.generation AND NOT j.processed
        AND j.status NOT IN ('succeeded', 'failed', 'cancelled', 'needs_reconciliation')
        AND NOT j.cancel_requested
     ON CONFLICT (job_id, stage) DO UPDATE

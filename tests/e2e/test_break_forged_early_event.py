@@ -11,11 +11,18 @@ transaction: claim, work and complete under the job's row lock; the claim commit
 the work raises) and ``llm`` on a REMOTE provider (the fake provider over loopback: the claim
 commits in its own transaction, the provider calls run outside it). A schema-valid
 ``job.text_extracted`` / ``job.chunks_ready`` naming a REAL job that is still queued before
-extract is consumed, each also as a copy with a far-future ``generation`` (the claim takes
-``generation >=`` the job's). The copies claim a stage whose input is not there
-(``not_ready``), release it and spend their retry budget; only they may be dead-lettered. Then
-extract runs: every job must succeed, be applied and charged once, each chunk answered by
-exactly one provider attempt.
+extract is consumed, each also as a copy with a far-future ``generation``. The copies of the
+job's generation claim a stage whose input is not there (``not_ready``), release it and spend
+their retry budget; only they may be dead-lettered. Then extract runs: every job must succeed,
+be applied and charged once, each chunk answered by exactly one provider attempt.
+
+policy12: the far-future copies are refused at once as poison (``generation_ahead``: no
+legitimate event is ahead of its job, a redrive writes its events with the job's new
+generation); the claim took any generation ``>=`` the job's, so they used to claim and spend
+their budget like the others (breaker11's note). The budget here is one round with no in-place
+retries (CI time: the llm case took ~100 s with 2 rounds and 2 in-place retries each, the
+retry agent running the copies one at a time); what is asserted is the same: a copy whose
+budget is spent, at any count, is dead-lettered and changes no job.
 """
 
 from __future__ import annotations
@@ -51,9 +58,12 @@ from tests.helpers import (
 pytestmark = pytest.mark.e2e
 
 N = 3
-#: A short retry budget: the forged copies are spent within a few seconds.
-ENV = {"JOBSTREAM_RETRY_ROUNDS": "2", "JOBSTREAM_RETRY_BASE_S": "0.2",
-       "JOBSTREAM_RETRY_CAP_S": "1"}
+#: A short retry budget: the forged copies are spent within a few seconds (one round through
+#: the ``.retry`` topic, no in-place retries: still a retried copy whose budget runs out).
+ENV = {"JOBSTREAM_RETRY_ROUNDS": "1", "JOBSTREAM_RETRY_IN_PLACE": "0",
+       "JOBSTREAM_RETRY_BASE_S": "0.2", "JOBSTREAM_RETRY_CAP_S": "1"}
+#: What the worker logs for each copy dead-lettered ahead of its job (consumers/routing.py).
+AHEAD = ": generation_ahead: "
 
 
 def test_a_forged_early_stage_event_is_dead_lettered_and_fails_no_job(
@@ -153,13 +163,18 @@ def test_a_forged_early_event_at_chunk_or_remote_llm_fails_no_job(
         "custom"}, "the jobs must run on the remote (fake) provider"
     topic = "job.text_extracted" if stage == "chunk" else "job.chunks_ready"
     produce_raw(s, s.topic(topic), _forged(url, stage))
-    # Until every copy's budget is spent, or a copy changed its job (the break: a job failed
-    # by the first copy spent, the others then skipped as terminal).
-    wait_for(lambda: worker.log_text().count("retry budget exhausted") >= 2 * N or query(
+    # Until every copy is dead-lettered (spent, or ahead), or a copy changed its job (the
+    # break: a job failed by the first copy spent, the others then skipped as terminal).
+    def dead_lettered() -> int:
+        text = worker.log_text()
+        return text.count("retry budget exhausted") + text.count(AHEAD)
+    wait_for(lambda: dead_lettered() >= 2 * N or query(
         url, "SELECT count(*) AS n FROM job WHERE status <> 'queued'")[0]["n"] > 0, 90,
-             "the forged copies' retry budget spent", procs.logs)
+             "the forged copies dead-lettered", procs.logs)
     changed = query(url, "SELECT job_id, status, error_code FROM job WHERE status <> 'queued'")
     assert changed == [], "a forged copy changed its job\n" + procs.logs()
+    assert worker.log_text().count(AHEAD) == N, \
+        "the far-future copies were not refused as generation_ahead\n" + procs.logs()
     assert query(url, "SELECT count(*) AS n FROM provider_attempt")[0]["n"] == 0, \
         "a forged copy reached the provider"
     procs.start("worker", "--stages", "extract", name="extract", **env)

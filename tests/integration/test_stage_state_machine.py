@@ -15,7 +15,7 @@ import pytest
 
 from jobstream.db import connect
 from jobstream.drills.fake_provider import FakeProvider
-from jobstream.errors import StaleRun
+from jobstream.errors import PoisonMessage, StaleRun
 from jobstream.producer import uploaded_event
 from jobstream.settings import Settings
 from jobstream.store import Claim, LeaseHeld, Skip, Store
@@ -23,7 +23,7 @@ from schemas.events import JobFailed, JobFailedPayload, LlmDone, LlmDonePayload
 from streams.actions import give_up, redrive, sweep
 from streams.context import StageContext, outbox_msg
 from streams.intake import handle_intake
-from streams.runner import run_stage
+from streams.runner import run_stage, run_stage_batch
 from tests.helpers import outbox_events, paragraphs_document, query, wait_for
 
 pytestmark = pytest.mark.integration
@@ -344,6 +344,37 @@ def test_the_claim_checks_the_generation_before_the_duplicate(job) -> None:
     assert _claim(ctx, ev) == Skip("superseded")
     [ev1] = outbox_events(ctx.settings, "job.chunks_ready")[1:]
     assert _claim(ctx, ev1) == Skip("duplicate")
+
+
+def test_an_event_ahead_of_its_jobs_generation_is_poison_and_changes_nothing(job) -> None:
+    """policy12 (breaker11's note): the claim took any generation ``>=`` the job's, so a forged
+    ``job.chunks_ready`` of generation 1 (the job is at 0) did the llm stage's real work and
+    its downstream events carried generation 1, beyond every redrive's and give_up's fence.
+    No legitimate event is ahead of its job (a redrive bumps the generation in the transaction
+    that writes its event): it is poison (``generation_ahead``), claims and records nothing,
+    calls no provider and counts no retry round; the real event then runs as usual."""
+    ctx, fake, ev = job
+    url = ctx.settings.database_url
+    ahead = ev.model_copy(update={"generation": 1, "event_id": uuid.uuid4()})
+    before = _writes(url)
+    with pytest.raises(PoisonMessage) as err:
+        run_stage(ctx, ahead)
+    assert err.value.code == "generation_ahead", err.value
+    assert _writes(url) == before
+    assert query(url, "SELECT 1 FROM job_stage WHERE stage = 'llm'") == []
+    assert fake.snapshot()["total"] == 0
+    assert ctx.store.add_retry_round(job_id=ev.job_id, stage="llm", generation=1) is None
+    assert query(url, "SELECT 1 FROM stage_retry_round") == []
+    # The one-transaction stages' shared transaction refuses it too (an already processed
+    # text_extracted copy: ahead is checked before the duplicate), each event on its own.
+    [extracted] = outbox_events(ctx.settings, "job.text_extracted")
+    copies = [extracted.model_copy(update={"generation": g, "event_id": uuid.uuid4()})
+              for g in (1, 7)]
+    got = run_stage_batch(ctx, copies)
+    assert [getattr(e, "code", e) for e in got] == ["generation_ahead"] * 2, got
+    assert _writes(url) == before
+    assert run_stage(ctx, ev) == "done"
+    assert _generation(url) == 0
 
 
 # ----------------------------------------------------------------- heartbeat

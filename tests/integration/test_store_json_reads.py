@@ -1,12 +1,16 @@
 """A Store connection reads json / jsonb columns with jobstream.store.loads_json (orjson's
-speed, json.loads's values; issue 12, perf-worker8), on real Postgres."""
+speed, json.loads's values; issue 12, perf-worker8) and writes its Jsonb parameters with
+jobstream.store.dumps_json (orjson's speed, json.dumps's jsonb; worker12), on real Postgres."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
 
+import psycopg
 import pytest
+from psycopg.adapt import PyFormat
+from psycopg.types.json import Jsonb
 
 from jobstream.settings import Settings
 from jobstream.store import Store
@@ -42,3 +46,29 @@ def test_a_store_connection_reads_json_columns_as_json_loads_does(
     want = json.loads(got["t"])
     assert repr(got["v"]) == repr(want)
     assert got["v"]["big"] == 18446744073709551616 and isinstance(got["v"]["neg"], int)
+
+
+# Written through a Store connection's Jsonb (dumps_json, issue 12, worker12): the same jsonb
+# as json.dumps's text, and NaN refused by Postgres as before.
+WRITTEN = [
+    {"text": "\u00e9t\u00e9 \u2603 \U0001f600", "n": 1.5e-05, "big": 1e16, "i": 2**63 - 1,
+     "l": [0.1, 0.30000000000000004, -0.0, 5e-324], "b": True},
+    {"with": None, "k": [1, {"x": "y"}]},
+    {1: "int key"},
+    {"huge": 2**70},
+]
+
+
+@pytest.mark.parametrize("value", WRITTEN, ids=range(len(WRITTEN)))
+def test_a_store_connection_writes_jsonb_as_json_dumps_does(store: Store, value: object) -> None:
+    with store.connection() as conn:
+        dumper = conn.adapters.get_dumper(Jsonb, PyFormat.AUTO)
+        assert dumper._dumps.__name__ == "dumps_json"  # type: ignore[attr-defined]  # psycopg's class attribute
+        got = conn.execute("SELECT %s::jsonb = %s::jsonb AS same, %s::jsonb::text AS t",
+                           (Jsonb(value), json.dumps(value), Jsonb(value))).fetchone()
+    assert got is not None and got["same"], got
+
+
+def test_nan_in_a_jsonb_parameter_is_still_refused(store: Store) -> None:
+    with store.connection() as conn, pytest.raises(psycopg.DataError):
+        conn.execute("SELECT %s::jsonb", (Jsonb({"score": float("nan")}),))

@@ -85,7 +85,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import psycopg
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 from psycopg import sql
 from psycopg.rows import DictRow, dict_row, tuple_row
 
@@ -265,6 +265,16 @@ class IdempotentConsumer:
             "heartbeat.interval.ms": max(500, settings.session_timeout_ms // 5),
             **user, "client.id": f"{user.get('client.id', 'jobstream-consumer')}-{self._token}"})
         self._busy_since: float | None = None  # monotonic s the current apply started
+        # The longest a rebalance can take before the coordinator ends it (ms): its join
+        # phase waits up to the members' rebalance timeout (max.poll.interval.ms, librdkafka's
+        # default 300 s), its sync phase up to the leader's session timeout.
+        self._rebalance_bound_ms = (int(user.get("max.poll.interval.ms", 300_000))
+                                    + settings.session_timeout_ms)
+        # Group membership, for the log: when this consumer last lost or gave up its
+        # partitions without being assigned any since (time.monotonic(); None while it holds
+        # an assignment, even an empty one), and whether that was already reported as long.
+        self._rebalance_since: float | None = None
+        self._rebalance_reported = False
         if sink is None:
             dl = (sql.Identifier(settings.db_schema, settings.dead_letter_table)
                   if settings.db_schema else sql.Identifier(settings.dead_letter_table))
@@ -988,6 +998,49 @@ class IdempotentConsumer:
             if not got:
                 return msgs
 
+    def _on_assign(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Rebalance callback (served inside ``poll()``): one line per assignment, with how
+        long the consumer was without one. confluent-kafka assigns ``partitions`` after it
+        returns (eager protocol: the whole new assignment, possibly empty)."""
+        since, self._rebalance_since = self._rebalance_since, None
+        waited = "" if since is None else f" after {time.monotonic() - since:.1f}s without"
+        log.info("group %s: %d partition(s) assigned%s: %s", self.group, len(partitions),
+                 waited, _partitions(partitions))
+
+    def _on_revoke(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Rebalance callback: the partitions are given up for a rebalance (unassigned after
+        it returns); the consumer holds none until :meth:`_on_assign`."""
+        self._rebalance_since, self._rebalance_reported = time.monotonic(), False
+        log.info("group %s: %d partition(s) revoked (rebalance): %s", self.group,
+                 len(partitions), _partitions(partitions))
+
+    def _on_lost(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Rebalance callback: the assignment is lost (the client timed its session out,
+        SESSTMOUT, e.g. through a broker outage longer than ``session.timeout.ms``, or the
+        coordinator fenced it); unassigned after it returns, then the group is joined again
+        as a new member. Offsets stored for the lost partitions are not committed: their
+        next owner re-delivers from the last commit and ``processed_event`` absorbs it."""
+        self._rebalance_since, self._rebalance_reported = time.monotonic(), False
+        log.warning("group %s: assignment of %d partition(s) lost (session timed out or "
+                    "fenced); rejoining the group: %s", self.group, len(partitions),
+                    _partitions(partitions))
+
+    def _report_long_rebalance(self) -> None:
+        """Log once when the consumer has been without an assignment since a revoke, a loss
+        or its subscribe for longer than ``max.poll.interval.ms`` + ``session.timeout.ms``
+        (the longest a broker's join and sync phases can legitimately take): a consumer that
+        never rejoins is otherwise silent (issue 12, outage12)."""
+        since = self._rebalance_since
+        if since is None or self._rebalance_reported:
+            return
+        waited = time.monotonic() - since
+        if waited * 1000 < self._rebalance_bound_ms:
+            return
+        self._rebalance_reported = True
+        log.warning("group %s: no partitions assigned for %.0fs (a rebalance that did not "
+                    "finish: the group coordinator has not answered the join, or the client "
+                    "did not rejoin); consuming nothing meanwhile", self.group, waited)
+
     def _decode_all(self, msgs: list[Message]) -> tuple[dict[tuple[Any, Any, Any], Any],
                                                         dict[tuple[Any, Any, Any], Any],
                                                         dict[tuple[str, str], bytes]]:
@@ -1041,7 +1094,9 @@ class IdempotentConsumer:
         """
         if not self._handlers or not self._topics:
             raise ValueError("no handler registered: use @consumer.on(EventClass)")
-        self._consumer.subscribe(self._topics)
+        self._rebalance_since, self._rebalance_reported = time.monotonic(), False
+        self._consumer.subscribe(self._topics, on_assign=self._on_assign,
+                                 on_revoke=self._on_revoke, on_lost=self._on_lost)
         log.info("consuming %s as group %s into %s (a new group starts at the earliest "
                  "retained message unless kafka_extra sets auto.offset.reset)",
                  ", ".join(self._topics), self.group, self._table.as_string(None))
@@ -1089,6 +1144,7 @@ class IdempotentConsumer:
                     current = None if pending is None else (pending[0], pending[1].result())
                     pending = (msgs, decoder.submit(self._decode_all, msgs)) if msgs else None
                 if current is None:
+                    self._report_long_rebalance()
                     if (pending is None and idle_exit_s is not None
                             and time.monotonic() - last_msg > idle_exit_s):
                         break
@@ -1161,6 +1217,15 @@ class IdempotentConsumer:
                 return None
             raise PoisonMessage(f"event_id {event.event_id} was already used by another event",
                                 code="event_id_conflict") from None
+
+
+def _partitions(partitions: list[TopicPartition]) -> str:
+    """``topic[0,1,2] other[3]``: a rebalance's partitions, for one log line."""
+    by_topic: dict[str, list[int]] = {}
+    for tp in partitions:
+        by_topic.setdefault(tp.topic, []).append(tp.partition)
+    return " ".join(f"{t}[{','.join(map(str, sorted(ps)))}]" for t, ps in sorted(by_topic.items())
+                    ) or "none"
 
 
 @contextlib.contextmanager

@@ -7,6 +7,11 @@
   pooled connections back.
 - Outage: the broker is stopped for 15 s; each process logs a handful of lines (one when
   Kafka goes away, one when it is back), not one per reconnect.
+- Outage longer than a session: ``consume-ready`` alone, the broker stopped for three of its
+  session timeouts. Its client times the session out (SESSTMOUT), loses its assignment and
+  must join again as a new member once the broker is back (the restarted coordinator first
+  waits for the old member's session to expire); the ``job.ready`` produced then must be
+  applied, and its log must show the loss and the new assignment (issue 12, outage12).
 
 The services come from ``scripts/services.sh`` under a temporary ``JOBSTREAM_HOME`` on free
 ports (see ``tests/e2e/test_service_restarts.py``), so the shared ones are never touched.
@@ -15,10 +20,11 @@ ports (see ``tests/e2e/test_service_restarts.py``), so the shared ones are never
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psycopg
@@ -27,7 +33,8 @@ import pytest
 from jobstream import verify
 from jobstream.producer import submit, uploaded_event
 from jobstream.settings import Settings
-from tests.helpers import Proc, ProcessRunner, query, wait_for
+from schemas.events import encode_event
+from tests.helpers import Proc, ProcessRunner, job_ready, produce_at, query, wait_for
 from tests.private_services import (
     PrivateServices,
     free_ports,
@@ -173,6 +180,32 @@ def test_connection_starvation_is_reported_and_recovers_without_operator(
         runner.kill_all()
 
 
+def _where_jobs_are(s: Settings, runner: ProcessRunner, tenant: str) -> Callable[[], str]:
+    """Diagnostics for a wait on ``tenant``'s jobs that timed out: which hop holds them (the
+    jobs' status and stage in Postgres, the outbox rows not yet published, the stage
+    workers' and the downstream's consumer lag), then the process logs. A stuck hop was
+    otherwise a guess: one CI run's downstream "stayed silent" and nothing said whether
+    ``job.ready`` had been published at all (issue 12, outage12)."""
+    from jobstream.kafka import STAGE_TOPICS, group_lag
+
+    def lag(group: str, topics: list[str]) -> str:
+        try:
+            return str(group_lag(s, s.group(group), [s.topic(t) for t in topics]))
+        except Exception as exc:  # noqa: BLE001 - a diagnostic never hides the failure
+            return f"unknown ({exc})"
+
+    def text() -> str:
+        jobs = query(s.database_url, "SELECT status, current_stage, count(*) AS n FROM job "
+                                     "WHERE tenant_id = %s GROUP BY 1, 2", (tenant,))
+        outbox = query(s.database_url, "SELECT count(*) AS n FROM outbox "
+                                       "WHERE published_at IS NULL")[0]["n"]
+        stages = lag("jobstream-streams", [*STAGE_TOPICS, *(t + ".retry" for t in STAGE_TOPICS)])
+        ready = lag("downstream-ready-applier", ["job.ready"])
+        return (f"jobs of {tenant}: {jobs}; outbox rows unpublished: {outbox}; stage workers' "
+                f"lag: {stages}; downstream's job.ready lag: {ready}\n" + runner.logs())
+    return text
+
+
 def _outage_over(log: str) -> bool:
     """Every "kafka unreachable" line of a process log has its "reachable again" line."""
     return log.count("kafka unreachable") == log.count("kafka reachable again after")
@@ -201,7 +234,8 @@ def test_broker_outage_logs_a_few_lines_per_process(svc: PrivateServices, ps: Se
         # Kafka is back: the pipeline works again, then count what each process said.
         _submit(ps, tmp_path / "after", "outage-after", 2)
         wait_for(lambda: _applied(ps.database_url, "outage-after") == 2, 180,
-                 "jobs after the outage to be applied", runner.logs)
+                 "jobs after the outage to be applied",
+                 _where_jobs_are(ps, runner, "outage-after"))
         wait_for(lambda: all("kafka reachable again" in procs[n].log_text()
                              for n in ("worker", "downstream")), 60,
                  "the end of the outage to be logged", runner.logs)
@@ -218,5 +252,45 @@ def test_broker_outage_logs_a_few_lines_per_process(svc: PrivateServices, ps: Se
             text = "\n".join(lines[name])
             assert text.count("kafka unreachable") == 1, (name, text[-3000:])
             assert text.count("kafka reachable again after") == 1, (name, text[-3000:])
+    finally:
+        runner.kill_all()
+
+
+def _produce_ready(s: Settings, names: list[str]) -> list[str]:
+    """Produce one ``job.ready`` per name (spread over 3 partitions); their dedup keys."""
+    events = [job_ready(n) for n in names]
+    produce_at(s, s.topic("job.ready"),
+               [(i % 3, str(e.job_id).encode(), encode_event(e)) for i, e in enumerate(events)])
+    return [e.dedup_key for e in events]
+
+
+def _charged(s: Settings, keys: list[str]) -> int:
+    return query(s.database_url, "SELECT count(*) AS n FROM downstream.ledger_charge "
+                                 "WHERE dedup_key = ANY(%s)", (keys,))[0]["n"]
+
+
+@pytest.mark.timeout(600)
+def test_consumer_applies_again_after_an_outage_longer_than_its_session(
+        svc: PrivateServices, ps: Settings, tmp_path: Path) -> None:
+    runner = ProcessRunner(ps, tmp_path / "logs")
+    try:
+        proc = runner.start("consume-ready")
+        before = _produce_ready(ps, [f"before-{i}" for i in range(3)])
+        wait_for(lambda: _charged(ps, before) == 3, 120, "the jobs before the outage applied",
+                 runner.logs)
+        svc.stop("kafka")
+        try:
+            time.sleep(3 * ps.consumer_session_timeout_ms / 1000)
+        finally:
+            svc.start("kafka")
+        after = _produce_ready(ps, [f"after-{i}" for i in range(3)])
+        wait_for(lambda: _charged(ps, after) == 3, 120, "the jobs after the outage applied",
+                 runner.logs)
+        log = proc.log_text()
+        assert proc.popen.poll() is None, log[-3000:]
+        lost = log.find("partition(s) lost (session timed out or fenced)")
+        assert lost >= 0, log[-3000:]  # the outage did time the session out
+        assert re.search(r"partition\(s\) assigned after [0-9.]+s without", log[lost:]), (
+            log[-3000:])
     finally:
         runner.kill_all()

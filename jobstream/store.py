@@ -12,6 +12,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import time
 import uuid
 import weakref
@@ -352,9 +353,11 @@ def dumps_json(value: Any) -> bytes:
     (psycopg's default for ``Jsonb``, and intake's text arrays), or the error ``json.dumps``
     raises: orjson (C, ~10x faster; issue 12, ``worker12``) unless orjson refuses the value
     (an int beyond 64 bits, a lone surrogate, a non-str key, nesting past 255, a dataclass,
-    a datetime, a subclass: see :data:`_DUMPS_OPTIONS`) or its text has a ``null``, which is
-    also how orjson writes NaN and the infinities (``json.dumps`` writes ``NaN``, which
-    Postgres refuses: ``invalid_data``, as before); then ``json.dumps``. The texts differ in
+    a datetime, a subclass: see :data:`_DUMPS_OPTIONS`) or the value holds a NaN or an
+    infinity, which orjson writes as ``null`` (``json.dumps`` writes ``NaN``, which Postgres
+    refuses: ``invalid_data``, as before); then ``json.dumps``. The value is walked for them
+    (:func:`_non_finite`) only when orjson's text has a ``null`` (adv14: a ``None`` field or a
+    text with the word "null" had been encoded twice). The texts differ in
     form only (non-ASCII unescaped, ``1e-05`` as ``1e-5``), not in the ``jsonb`` value.
     One difference: orjson writes a ``uuid.UUID`` (as its text) and an ``enum.Enum`` (as
     its value), where ``json.dumps`` raised ``TypeError``; no Store caller passes either."""
@@ -362,7 +365,20 @@ def dumps_json(value: Any) -> bytes:
         out = orjson.dumps(value, default=_refuse, option=_DUMPS_OPTIONS)
     except TypeError:  # orjson.JSONEncodeError is one
         return json.dumps(value).encode()
-    return json.dumps(value).encode() if b"null" in out else out
+    return json.dumps(value).encode() if b"null" in out and _non_finite(value) else out
+
+
+def _non_finite(value: Any) -> bool:
+    """Whether ``value`` (what orjson encoded: dicts, lists, tuples and scalars, nested at
+    most 255 deep) holds a float NaN or infinity."""
+    t = type(value)
+    if t is float:
+        return not math.isfinite(value)
+    if t is dict:
+        return any(_non_finite(v) for v in value.values())
+    if t is list or t is tuple:
+        return any(_non_finite(v) for v in value)
+    return False
 
 
 def _loads_event(value: bytes) -> dict[str, Any]:

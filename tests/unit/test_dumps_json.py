@@ -15,6 +15,7 @@ import struct
 from decimal import Decimal
 from typing import Any
 
+import orjson
 import pytest
 
 from jobstream.store import dumps_json
@@ -55,6 +56,8 @@ EDGES: list[Any] = [
     float("nan"),
     {"score": float("inf")},
     [1.0, -math.inf],
+    {"deeper": [({"x": None, "y": float("nan")},), "null"]},
+    {"none": None, "text": "null and void", "n": [None, 1.5]},
     {1: "int key", None: "null key", 2.5: "float key", False: "bool key"},
     2**64,
     -(2**63) - 1,
@@ -104,3 +107,14 @@ def test_a_stage_output_is_orjsons_text() -> None:
     out = {"text": "\u00e9t\u00e9 " * 100, "page_count": 1, "score": 0.75, "tags": ["a"]}
     assert dumps_json(out) != json.dumps(out).encode()  # orjson's form: no spaces, UTF-8
     assert json.loads(dumps_json(out)) == out
+
+
+def test_a_value_with_nulls_but_no_nan_is_orjsons_text() -> None:
+    """A ``None`` field or the word "null" in a text is no NaN: orjson's text, encoded once
+    (adv14: such values had gone through ``json.dumps`` as well)."""
+    out = {"text": "null and void \u00e9t\u00e9", "missing": None, "scores": [0.5, None]}
+    got = dumps_json(out)
+    assert got == orjson.dumps(out)
+    assert got != json.dumps(out).encode()
+    assert json.loads(got) == out
+

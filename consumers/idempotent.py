@@ -268,8 +268,10 @@ class IdempotentConsumer:
         # The longest a rebalance can take before the coordinator ends it (ms): its join
         # phase waits up to the members' rebalance timeout (max.poll.interval.ms, librdkafka's
         # default 300 s), its sync phase up to the leader's session timeout.
-        self._rebalance_bound_ms = (int(user.get("max.poll.interval.ms", 300_000))
-                                    + settings.session_timeout_ms)
+        # Both as the client runs them: kafka_extra (``user``) overrides the settings.
+        self._rebalance_bound_ms = (
+            int(user.get("max.poll.interval.ms", 300_000))
+            + int(user.get("session.timeout.ms", settings.session_timeout_ms)))
         # Group membership, for the log: when this consumer last lost or gave up its
         # partitions without being assigned any since (time.monotonic(); None while it holds
         # an assignment, even an empty one), and whether that was already reported as long.
@@ -1001,7 +1003,9 @@ class IdempotentConsumer:
     def _on_assign(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Rebalance callback (served inside ``poll()``): one line per assignment, with how
         long the consumer was without one. confluent-kafka assigns ``partitions`` after it
-        returns (eager protocol: the whole new assignment, possibly empty)."""
+        returns: under the eager protocol (the default) the whole new assignment, possibly
+        empty; under ``cooperative-sticky`` (``partition.assignment.strategy`` in
+        ``kafka_extra``) only the partitions added, so the line counts those."""
         since, self._rebalance_since = self._rebalance_since, None
         waited = "" if since is None else f" after {time.monotonic() - since:.1f}s without"
         log.info("group %s: %d partition(s) assigned%s: %s", self.group, len(partitions),

@@ -599,6 +599,9 @@ class IdempotentConsumer:
         """:meth:`_decode` without the decode-ahead results; ``expected``: :attr:`event_types`
         (given by a caller that decodes many messages, so the tuple is built once);
         ``light``: the types whose light form is returned (``decode_event``)."""
+        if _unreadable(msg):
+            raise PoisonMessage(f"the Kafka client could not read this message: {msg.error()}",
+                                code="unreadable_message")
         if msg.key() is None:
             raise PoisonMessage("message has no key (jobstream events are keyed by job id)",
                                 code="missing_key")
@@ -859,7 +862,14 @@ class IdempotentConsumer:
         rebalance served while a batch was fetched) is skipped: its new owner re-delivers from
         the last committed offset, and processed_event absorbs the copy."""
         try:
-            self._consumer.store_offsets(message=msg)
+            if msg.error() is None:
+                self._consumer.store_offsets(message=msg)
+            else:  # an unreadable message, dead-lettered (_UNREADABLE): the client refuses
+                # to store a message with an error, and fetches its offset again and again
+                past = TopicPartition(msg.topic() or "", msg.partition() or 0,
+                                      (msg.offset() or 0) + 1)
+                self._consumer.store_offsets(offsets=[past])
+                self._consumer.seek(past)
         except KafkaException as exc:
             if exc.args[0].code() != KafkaError._STATE:
                 raise
@@ -984,7 +994,7 @@ class IdempotentConsumer:
         while True:
             for i, m in enumerate(got):
                 err = m.error()
-                if err is not None:
+                if err is not None and not _unreadable(m):
                     if err.code() != KafkaError._PARTITION_EOF:
                         log.warning("consumer error: %s", err)
                     continue
@@ -1221,6 +1231,23 @@ class IdempotentConsumer:
                 return None
             raise PoisonMessage(f"event_id {event.event_id} was already used by another event",
                                 code="event_id_conflict") from None
+
+
+#: Errors the Kafka client reports for ONE message it fetched but cannot hand over (its
+#: position is known): a batch whose decompression fails (e.g. a zstd "bomb" that unpacks past
+#: ``receive.message.max.bytes``) or a corrupt one. The client fetches that offset again and
+#: again, so such a message blocked its partition for good (adv15); it is dead-lettered as
+#: ``unreadable_message`` and the consumer seeks past it (:meth:`IdempotentConsumer._store_offset`).
+_UNREADABLE = frozenset({KafkaError._BAD_COMPRESSION, KafkaError._BAD_MSG})
+
+
+def _unreadable(msg: Message) -> bool:
+    """``msg`` is an error for one unreadable message with a position (see
+    :data:`_UNREADABLE`)."""
+    err = msg.error()
+    offset = msg.offset()
+    return (err is not None and err.code() in _UNREADABLE and msg.topic() is not None
+            and offset is not None and offset >= 0)
 
 
 def _partitions(partitions: list[TopicPartition]) -> str:

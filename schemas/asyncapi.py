@@ -55,7 +55,7 @@ DLQ_HEADERS: dict[str, str] = {
     "dlq_reason_code": "Why it was dead-lettered (not_json, schema_violation, "
                        "unexpected_event_type, idempotency_key_conflict, message_too_large, "
                        "json_too_deep, missing_key, invalid_data, unknown_job, "
-                       "generation_ahead, unhandled, ...; README, Bad input).",
+                       "generation_ahead, unreadable_message, unhandled, ...; README, Bad input).",
     "dlq_reason": "Human-readable reason (at most 2000 characters).",
     "dlq_original_topic": "Topic the message was consumed from.",
     "dlq_original_partition": "Its partition there.",

@@ -24,6 +24,9 @@ class Msg:
     def topic(self) -> str:
         return "t"
 
+    def error(self) -> None:  # a readable message
+        return None
+
     def partition(self) -> int:
         return self.p
 

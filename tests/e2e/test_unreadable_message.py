@@ -16,17 +16,10 @@ from confluent_kafka import Producer
 from jobstream.kafka import base_config
 from jobstream.settings import Settings
 from schemas.events import encode_event
-from tests.e2e.test_hostile_corpus import _ready
+from tests.e2e.test_hostile_corpus import _listed, _ready
 from tests.helpers import ProcessRunner, query, wait_for
 
 pytestmark = pytest.mark.e2e
-
-
-def _listed(procs: ProcessRunner) -> list[dict[str, Any]]:
-    out = procs.run("dlq", "list", "--json", "--limit", "100", timeout_s=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows: list[dict[str, Any]] = json.loads(out.stdout)
-    return rows
 
 
 def test_a_decompression_bomb_is_dead_lettered_and_its_partition_moves_on(
